@@ -1,0 +1,44 @@
+"""Engine options (EngineArgs) and the model's shape read from a Hugging Face config.json."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass
+class EngineArgs:
+    """Every option here is also a `parameters` entry of model_repository/engine/config.pbtxt."""
+    block_size: int = 16
+    kv_cache_memory: int = 256 * 1024 * 1024      # bytes for the device KV pool
+    num_kv_blocks: int | None = None              # overrides kv_cache_memory when set
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None              # default: the model's max_position_embeddings
+    max_waiting: int = 256                        # bounded waiting queue; past it requests are rejected
+    enable_prefix_caching: bool = True
+    host_tier_blocks: int = 0                     # offload tier in host memory (0 = off)
+    disk_tier_path: str | None = None
+    disk_tier_blocks: int = 0
+    dtype: str = "float32"                        # float32 | bfloat16 | float16
+    device: str = "cpu"
+    attention_backend: str = "auto"               # auto | torch | triton
+    seed: int = 0
+    num_threads: int | None = None                # torch intra-op threads on CPU
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EngineArgs":
+        """Build from string-valued options (Triton parameters); unknown keys raise ValueError."""
+        known = {f.name: f for f in fields(cls)}
+        kwargs = {}
+        for key, raw in d.items():
+            if key not in known:
+                raise ValueError(f"unknown engine option {key!r}")
+            default = known[key].default
+            if raw is None or raw == "":
+                continue
+            if isinstance(default, bool):
+                kwargs[key] = str(raw).lower() in ("1", "true", "yes", "on")
+            elif isinstance(default, int) or key in ("num_kv_blocks", "max_model_len", "num_threads"):
+                kwargs[key] = int(raw)
+            else:
+                kwargs[key] = str(raw)
+        return cls(**kwargs)

@@ -1,0 +1,55 @@
+"""What the engine hands back: per-step deltas (server) and finished results (offline API)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob), best first
+
+
+@dataclass
+class StepDelta:
+    """One request choice's progress in one engine step (what the server streams).
+
+    ``window_ids`` / ``num_sent`` feed the stateless detokenizer (backend/detokenizer.py):
+    the text delta is decode(window_ids) minus decode(window_ids[:num_sent]), cut to
+    ``max_chars`` characters when a stop string matched. Tokens whose text could still begin a
+    stop string are held back by the engine and appear in a later delta.
+    """
+    request_id: str
+    index: int                              # choice index (n > 1)
+    new_token_ids: list[int]
+    window_ids: list[int]
+    num_sent: int
+    max_chars: int = -1                     # -1 = no cut
+    finished: bool = False
+    finish_reason: str | None = None        # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    queue_time: float = 0.0                 # seconds from arrival to first schedule
+    num_preemptions: int = 0
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    num_cached_tokens: int
+    outputs: list[CompletionOutput]
+    finished: bool = True
