@@ -94,8 +94,9 @@ def make_model(preset: str, out: str | pathlib.Path, seed: int = 0) -> pathlib.P
     (out / "generation_config.json").write_text(json.dumps(
         {"eos_token_id": eos_ids, "pad_token_id": pad_id, "bos_token_id": None,
          "do_sample": False}, indent=2) + "\n")
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt", "preset": preset,
-                                                                "seed": str(seed)})
+    # One metadata key only: safetensors writes its metadata map in hash order, so several keys
+    # would make the bytes differ between runs.
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     for f in TOKENIZER_DIR.iterdir():
         shutil.copy(f, out / f.name)
     return out

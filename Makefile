@@ -1,0 +1,29 @@
+# The two commands of the README:
+#   make serve   start tritonserver + the OpenAI shim on the bundled demo model
+#   make test    set everything up from nothing and run the whole test suite
+.PHONY: setup serve test test-fast browser models clean
+
+VENV := .venv
+PY := $(VENV)/bin/python
+
+setup:
+	@bash scripts/setup_venv.sh
+
+browser:
+	@bash scripts/install_browser.sh
+
+serve: setup
+	$(VENV)/bin/triton-llm serve $(ARGS)
+
+models: setup
+	$(PY) -c "from tests.conftest import model_dir; [model_dir(p) for p in ('tiny', 'tiny-qwen2')]"
+
+# Unit + kernel tests only (no servers, no browser).
+test-fast: setup models
+	$(PY) -m pytest -q tests/unit tests/kernels
+
+test: setup models browser
+	$(PY) -m pytest -q -ra --durations=15 tests
+
+clean:
+	rm -rf build models

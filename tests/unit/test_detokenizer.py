@@ -1,0 +1,69 @@
+"""Stateless windowed detokenization: concatenated deltas equal decode(all ids), byte for byte."""
+from __future__ import annotations
+
+import random
+
+import pytest
+from transformers import PreTrainedTokenizerFast
+
+from backend.detokenizer import decode_delta, window_start
+from backend.tokenizer_train import TOKENIZER_DIR
+
+TEXTS = [
+    "你好，世界！今天天气很好，我们来讨论 KV Cache 的分页管理。",
+    "rare 𝄞 bytes 🦩 and 👩‍💻 👨‍👩‍👧‍👦 🇨🇳 after  two spaces\tand a tab",
+    " leading space and trailing space ",
+    "mixed 中文 English 日本語 한국어 ελληνικά",
+]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return PreTrainedTokenizerFast(tokenizer_file=str(TOKENIZER_DIR / "tokenizer.json"))
+
+
+def stream(tok, ids: list[int], chunks: list[int]) -> str:
+    """Emit ids in chunks of the given sizes, the way the engine and postprocessing do."""
+    out, sent, pos = [], 0, 0
+    for i, size in enumerate(chunks):
+        end = min(len(ids), pos + size)
+        final = end == len(ids)
+        start = window_start(sent)
+        out.append(decode_delta(tok, ids[start:end], sent - start, final=final))
+        sent = pos = end
+        if final:
+            break
+    return "".join(out)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("seed", range(4))
+def test_concatenated_deltas_equal_full_decode(tok, text, seed):
+    ids = tok.encode(text, add_special_tokens=False)
+    rng = random.Random(seed)
+    chunks = [rng.choice([1, 1, 1, 2, 3]) for _ in range(len(ids))]
+    assert stream(tok, ids, chunks) == tok.decode(ids)
+
+
+def test_incomplete_character_is_held_until_complete(tok):
+    ids = tok.encode("𝄞", add_special_tokens=False)
+    assert len(ids) > 1
+    first = decode_delta(tok, ids[:1], 0)
+    assert first == ""  # a lone partial character is held back
+    assert decode_delta(tok, ids, 0) == "𝄞"
+
+
+def test_final_keeps_trailing_replacement_like_full_decode(tok):
+    ids = tok.encode("ab𝄞", add_special_tokens=False)[:-1]  # ends mid-character
+    assert stream(tok, ids, [1] * len(ids)) == tok.decode(ids)
+
+
+def test_max_chars_cuts_the_delta(tok):
+    ids = tok.encode("hello world", add_special_tokens=False)
+    assert decode_delta(tok, ids, 0, final=True, max_chars=5) == "hello"
+
+
+def test_special_tokens_are_skipped(tok):
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    ids = tok.encode("done", add_special_tokens=False) + [eos]
+    assert decode_delta(tok, ids, 0, final=True) == "done"
