@@ -9,11 +9,21 @@ Contract with the scheduler (vLLM v1 style: opaque, all-or-nothing):
     mgr.commit(seq_id, token_ids, num_computed)       # cache blocks that became full
     mgr.fork(parent_id, child_id)                     # n > 1: share every block (ref + 1)
     mgr.free(seq_id)                                  # finish / abort / preempt
+
+Call ``commit`` after every step even with prefix caching off: it also records how many tokens
+have KV, which tells ``allocate_slots`` which shared blocks are about to be written (CoW).
+Not thread-safe: call it from the engine thread only and hand ``stats()`` snapshots to others.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import torch
+
+from backend.kv_cache import hashing
+from backend.kv_cache.block_pool import BlockPool, KVCacheBlock
+from backend.kv_cache.hashing import ROOT_HASH, ROOT_ID, CacheKey
+from backend.kv_cache.offload import OffloadChain
 from backend.kv_cache.storage import KVCacheStorage
 
 
@@ -36,60 +46,279 @@ class KVCacheStats:
         return self.num_used_blocks / self.num_blocks if self.num_blocks else 0.0
 
 
+@dataclass
+class _Seq:
+    """One sequence's table and the tip of its hash chain (copied as-is by fork)."""
+    blocks: list[KVCacheBlock]
+    salt: str | None
+    num_computed: int = 0            # tokens with KV written (last commit / prefix hit)
+    num_hashed: int = 0              # leading full blocks already linked into the chain
+    tip_hash: bytes = ROOT_HASH      # hash of block num_hashed - 1
+    tip_id: int = ROOT_ID            # cache-entry id of that block's content
+
+
+@dataclass
+class _Hit:
+    """One block of a prefix match: on the device (``block``) or in an offload tier."""
+    block_hash: bytes
+    key: CacheKey
+    entry_id: int
+    block: KVCacheBlock | None = None
+
+
 class KVCacheManager:
     def __init__(self, *, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
                  storage: KVCacheStorage | None = None, host_tier_blocks: int = 0,
                  disk_tier_path: str | None = None, disk_tier_blocks: int = 0):
         """``storage`` may be None in allocator-only tests (then CoW/offload copy nothing)."""
-        raise NotImplementedError
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        if storage is not None and (storage.num_blocks, storage.block_size) != (num_blocks, block_size):
+            raise ValueError(f"storage has {storage.num_blocks} blocks of {storage.block_size}, "
+                             f"manager wants {num_blocks} of {block_size}")
+        self._block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.storage = storage
+        self.pool = BlockPool(num_blocks)
+        self.offload = OffloadChain(
+            block_shape=None if storage is None else storage.block_shape,
+            dtype=storage.dtype if storage is not None else None,
+            pin_memory=storage is not None and storage.device.type == "cuda",
+            host_blocks=host_tier_blocks if enable_prefix_caching else 0,
+            disk_path=disk_tier_path, disk_blocks=disk_tier_blocks if enable_prefix_caching else 0)
+        self._block_bytes = 0 if storage is None else storage.block_bytes
+        self._seqs: dict[str, _Seq] = {}
+        self._next_entry_id = ROOT_ID + 1
+        self._stats = KVCacheStats(num_blocks=num_blocks)
 
     # -- queries -------------------------------------------------------------------------
     @property
-    def block_size(self) -> int: ...
+    def block_size(self) -> int:
+        return self._block_size
+
     @property
-    def num_free_blocks(self) -> int: ...
+    def num_blocks(self) -> int:
+        return len(self.pool.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with ref 0, cached ones included (they are reclaimable)."""
+        return self.pool.num_free
+
+    def __contains__(self, seq_id: str) -> bool:
+        return seq_id in self._seqs
+
+    def num_computed_tokens(self, seq_id: str) -> int:
+        return self._seqs[seq_id].num_computed
 
     def lookup_prefix(self, token_ids: list[int], salt: str | None = None) -> int:
         """Tokens of the longest cached prefix (device or offload tiers); read-only.
         A multiple of block_size and always < len(token_ids)."""
-        raise NotImplementedError
+        return len(self._match(token_ids, salt)) * self._block_size
 
     # -- per-sequence operations ----------------------------------------------------------
     def acquire_prefix(self, seq_id: str, token_ids: list[int], salt: str | None = None) -> int | None:
         """First call for a sequence: attach its cached prefix blocks (ref + 1; swap-in from the
         offload tiers if needed) and return the number of cached tokens. None if the swap-in
         needs device blocks that are not free (nothing changed)."""
-        raise NotImplementedError
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} already holds KV blocks; free it first")
+        hits = self._match(token_ids, salt)
+        to_swap = [h for h in hits if h.block is None]
+        revived = sum(1 for h in hits if h.block is not None and h.block.ref_cnt == 0)
+        if len(to_swap) > self.pool.num_free - revived:
+            return None
+        for h in hits:
+            if h.block is not None:
+                self.pool.touch(h.block)        # off the free list before _take can evict it
+        # Take the contents out of the tiers *before* taking device blocks: the evictions those
+        # blocks cause push into the tiers and could otherwise push these very entries out.
+        contents = [self.offload.pop(h.block_hash)[1] for h in to_swap]
+        fresh = iter(self._take(len(to_swap)))
+        blocks = []
+        for h in hits:
+            if h.block is None:
+                h.block = next(fresh)
+                self.pool.cache(h.block, h.block_hash, h.key, h.entry_id)
+            blocks.append(h.block)
+        if to_swap and self.storage is not None:
+            ids = [h.block.block_id for h in to_swap]
+            self.storage.write_blocks(ids, torch.stack(contents))
+        self._stats.offload_in_blocks += len(to_swap)
+        self._stats.offload_in_bytes += len(to_swap) * self._block_bytes
+        n = len(hits) * self._block_size
+        seq = _Seq(blocks, salt, num_computed=n, num_hashed=len(hits))
+        if hits:
+            seq.tip_hash, seq.tip_id = hits[-1].block_hash, hits[-1].entry_id
+        self._seqs[seq_id] = seq
+        self._stats.prefix_queried_tokens += len(token_ids)
+        self._stats.prefix_hit_tokens += n
+        return n
 
     def allocate_slots(self, seq_id: str, num_tokens: int) -> bool:
         """Make the block table cover ``num_tokens`` tokens in total. Copy-on-write a shared,
         partially filled last block first. False = not enough free blocks, nothing changed."""
-        raise NotImplementedError
+        seq = self._get(seq_id)
+        num_new, cow = self._plan(seq, num_tokens)
+        if num_new + len(cow) > self.pool.num_free:
+            return False
+        fresh = self._take(num_new + len(cow))
+        for i, new in zip(cow, fresh):
+            old = seq.blocks[i]
+            if self.storage is not None:
+                self.storage.copy_block(old.block_id, new.block_id)
+            seq.blocks[i] = new
+            self.pool.release(old)             # ref was > 1: the other holders keep it
+        seq.blocks.extend(fresh[len(cow):])
+        self._stats.cow_copies += len(cow)
+        return True
 
-    def can_allocate(self, seq_id: str, num_tokens: int) -> bool: ...
+    def can_allocate(self, seq_id: str, num_tokens: int) -> bool:
+        """Would ``allocate_slots(seq_id, num_tokens)`` succeed now? (No side effects.)"""
+        num_new, cow = self._plan(self._get(seq_id), num_tokens)
+        return num_new + len(cow) <= self.pool.num_free
 
     def commit(self, seq_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
         """The first num_computed_tokens of token_ids now have KV: hash and cache newly full blocks."""
-        raise NotImplementedError
+        seq = self._get(seq_id)
+        bs = self._block_size
+        if not 0 <= num_computed_tokens <= min(len(token_ids), len(seq.blocks) * bs):
+            raise ValueError(f"commit({seq_id!r}): {num_computed_tokens} computed tokens, but "
+                             f"{len(token_ids)} token ids and {len(seq.blocks) * bs} slots")
+        seq.num_computed = num_computed_tokens
+        if not self.enable_prefix_caching:
+            return
+        num_full = num_computed_tokens // bs     # a partially filled block is cached once it fills
+        for i in range(seq.num_hashed, num_full):
+            block = seq.blocks[i]
+            toks = tuple(token_ids[i * bs:(i + 1) * bs])
+            key = (seq.tip_id, toks, seq.salt)
+            if block.block_hash is not None:
+                # Already cached through another holder of this shared block (fork before commit).
+                assert block.key == key, "shared block committed with different tokens"
+                h, entry_id = block.block_hash, block.entry_id
+            else:
+                h = hashing.hash_block(seq.tip_hash, toks, seq.salt)
+                found = self._find(h)
+                if found is None:
+                    entry_id = self._new_entry_id()
+                    self.pool.cache(block, h, key, entry_id)
+                elif found[0] == key:
+                    # Same content cached by another block (computed concurrently): keep that entry,
+                    # leave this block uncached, and chain on under the existing entry's id.
+                    entry_id = found[1]
+                else:
+                    # A real hash collision: cache nothing; the id below is never registered, so
+                    # no lookup can ever match a block chained under it.
+                    entry_id = self._new_entry_id()
+            seq.tip_hash, seq.tip_id = h, entry_id
+        seq.num_hashed = max(seq.num_hashed, num_full)
 
     def fork(self, parent_id: str, child_id: str) -> None:
-        raise NotImplementedError
+        """The child shares every block of the parent (ref + 1) and copies its chain state."""
+        if child_id in self._seqs:
+            raise ValueError(f"fork: sequence {child_id!r} already exists")
+        parent = self._get(parent_id)
+        for block in parent.blocks:
+            self.pool.touch(block)
+        self._seqs[child_id] = replace(parent, blocks=list(parent.blocks))
 
     def free(self, seq_id: str) -> None:
         """Release a sequence's blocks, tail first; unknown ids are a no-op."""
-        raise NotImplementedError
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            return
+        # Tail first: the free list is LRU, so a chain's tail is evicted before its head
+        # (a head block is worth more: every longer prefix needs it).
+        for block in reversed(seq.blocks):
+            self.pool.release(block)
 
     def block_table(self, seq_id: str) -> list[int]:
-        raise NotImplementedError
+        return [b.block_id for b in self._get(seq_id).blocks]
 
     def slot_mapping(self, seq_id: str, start: int, end: int) -> list[int]:
         """Slots for token positions [start, end)."""
-        raise NotImplementedError
+        blocks, bs = self._get(seq_id).blocks, self._block_size
+        if not 0 <= start <= end <= len(blocks) * bs:
+            raise ValueError(f"slot_mapping({seq_id!r}, {start}, {end}): table covers {len(blocks) * bs} tokens")
+        return [blocks[p // bs].block_id * bs + p % bs for p in range(start, end)]
 
     def stats(self) -> KVCacheStats:
-        raise NotImplementedError
+        """A snapshot (a copy): safe to hand to the metrics thread."""
+        return replace(self._stats, num_used_blocks=self.num_blocks - self.pool.num_free)
 
     def check_integrity(self) -> None:
         """Assert: every block free xor referenced; ref counts == number of tables holding it;
         hash map and free list agree."""
-        raise NotImplementedError
+        self.pool.check()
+        holders = [0] * self.num_blocks
+        for seq_id, seq in self._seqs.items():
+            ids = [b.block_id for b in seq.blocks]
+            assert len(ids) == len(set(ids)), f"{seq_id}: block twice in one table"
+            assert seq.num_hashed <= len(seq.blocks) and seq.num_computed <= len(seq.blocks) * self._block_size
+            for i in ids:
+                holders[i] += 1
+        for block in self.pool.blocks:
+            assert block.ref_cnt == holders[block.block_id], \
+                f"block {block.block_id}: ref {block.ref_cnt}, held by {holders[block.block_id]} tables"
+        self.offload.check()
+        assert not set(self.offload.hashes()) & set(self.pool.cached), "hash both on device and offloaded"
+
+    # -- internals -------------------------------------------------------------------------
+    def _get(self, seq_id: str) -> _Seq:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise KeyError(f"unknown sequence {seq_id!r} (call acquire_prefix first)")
+        return seq
+
+    def _plan(self, seq: _Seq, num_tokens: int) -> tuple[int, list[int]]:
+        """New blocks needed, and indices of shared blocks that the next write would touch."""
+        bs = self._block_size
+        needed = -(-num_tokens // bs)
+        first_written = seq.num_computed // bs
+        cow = [i for i in range(first_written, min(needed, len(seq.blocks))) if seq.blocks[i].ref_cnt > 1]
+        return max(0, needed - len(seq.blocks)), cow
+
+    def _match(self, token_ids: list[int], salt: str | None) -> list[_Hit]:
+        """Walk the hash chain through the device map and the tiers; stop at the first miss.
+        Never covers the last token: the model must compute at least one position for logits."""
+        if not self.enable_prefix_caching:
+            return []
+        bs, hits = self._block_size, []
+        tip_hash, tip_id = ROOT_HASH, ROOT_ID
+        for i in range(max(0, len(token_ids) - 1) // bs):
+            toks = tuple(token_ids[i * bs:(i + 1) * bs])
+            key = (tip_id, toks, salt)
+            h = hashing.hash_block(tip_hash, toks, salt)
+            found = self._find(h)
+            if found is None or found[0] != key:   # exact check: a colliding hash is a miss
+                break
+            hits.append(_Hit(h, key, found[1], self.pool.cached.get(h)))
+            tip_hash, tip_id = h, found[1]
+        return hits
+
+    def _find(self, block_hash: bytes) -> tuple[CacheKey, int] | None:
+        """(key, entry id) of the entry cached under this hash anywhere, device first."""
+        block = self.pool.cached.get(block_hash)
+        if block is not None:
+            return block.key, block.entry_id
+        found = self.offload.find(block_hash) if self.offload else None
+        return None if found is None else (found[1].key, found[1].entry_id)
+
+    def _take(self, n: int) -> list[KVCacheBlock]:
+        """n fresh blocks; evicted cached blocks go to the offload tiers (content copied first)."""
+        blocks, evicted = self.pool.take(n)
+        self._stats.evictions += len(evicted)
+        if evicted and self.offload:
+            contents = None
+            if self.storage is not None:
+                contents = self.storage.read_blocks([e.block_id for e in evicted])
+            for j, e in enumerate(evicted):
+                self.offload.put(e.block_hash, e.key, e.entry_id, None if contents is None else contents[j])
+            self._stats.offload_out_blocks += len(evicted)
+            self._stats.offload_out_bytes += len(evicted) * self._block_bytes
+        return blocks
+
+    def _new_entry_id(self) -> int:
+        self._next_entry_id += 1
+        return self._next_entry_id - 1
