@@ -98,14 +98,16 @@ def _decode_batch(query, k_cache, v_cache, tables, starts, lens, seqs, block_siz
     ids = ids.clamp(0, k_cache.shape[0] - 1).reshape(-1)
     b = len(seqs)
 
+    valid = torch.arange(max_len, device=query.device)[None, :] < kv_lens[:, None]   # [B, S]
+    padded = not bool(valid.all())
+
     def gather(cache):
-        t = cache.index_select(0, ids).view(b, n_blocks * block_size, *cache.shape[2:])
-        return t[:, :max_len].transpose(1, 2)                     # [B, Hkv, S, D]
+        t = cache.index_select(0, ids).view(b, n_blocks * block_size, *cache.shape[2:])[:, :max_len]
+        if padded:  # stale slots may hold NaN, and 0 * NaN is NaN even under a -inf score
+            t = t.masked_fill(~valid[:, :, None, None], 0)
+        return t.transpose(1, 2)                                  # [B, Hkv, S, D]
 
     q = query.index_select(0, rows).unsqueeze(2)                  # [B, Hq, 1, D]
-    if len(set(lens[s] for s in seqs)) == 1:
-        mask = None
-    else:
-        mask = (torch.arange(max_len, device=q.device)[None, :] < kv_lens[:, None])[:, None, None, :]
+    mask = valid[:, None, None, :] if padded else None
     o = _sdpa(q, gather(k_cache), gather(v_cache), mask, scale)   # [B, Hq, 1, D]
     out.index_copy_(0, rows, o.squeeze(2).to(out.dtype))
