@@ -10,6 +10,10 @@ from dataclasses import dataclass
 import torch
 
 from backend.config import EngineArgs
+from backend.kv_cache.storage import KVCacheStorage
+from backend.model.attention import AttentionMetadata, make_attention_backend
+from backend.model.config import load_model_config
+from backend.model.loader import load_model, parse_dtype
 
 
 @dataclass
@@ -22,6 +26,7 @@ class BatchInput:
     block_tables: torch.Tensor    # [num_seqs, max_blocks] int32 (padded with 0)
     logits_indices: torch.Tensor  # [num_logits] int64, token rows whose logits are wanted
     max_seqlen_q: int = 0         # max query length in the batch (host int, avoids a sync)
+    max_seq_len: int = 0          # max of seq_lens (host int; a kernel launch hint, 0 = unknown)
 
 
 @dataclass
@@ -40,7 +45,31 @@ class ModelRunner:
     def __init__(self, model_dir: str, args: EngineArgs):
         """Load config + weights (any HF Llama/Mistral/Qwen2 directory), pick the attention backend,
         size and allocate the KV pool (``self.storage``: KVCacheStorage, ``self.num_blocks``)."""
-        raise NotImplementedError
+        if args.num_threads:
+            torch.set_num_threads(args.num_threads)
+        self.args = args
+        self.device = torch.device(args.device)
+        self.dtype = parse_dtype(args.dtype)
+        self.config = cfg = load_model_config(model_dir)
+        max_len = args.max_model_len or cfg.default_max_model_len()
+        if max_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len={max_len} exceeds the model's max_position_embeddings="
+                             f"{cfg.max_position_embeddings}")
+        self.model = load_model(model_dir, cfg, dtype=self.dtype, device=self.device, max_positions=max_len)
+        self.attention = make_attention_backend(args.attention_backend, self.device)
+
+        shape = dict(num_layers=cfg.num_layers, block_size=args.block_size, num_kv_heads=cfg.num_kv_heads,
+                     head_dim=cfg.head_dim)
+        self.num_blocks = args.num_kv_blocks or (
+            args.kv_cache_memory // KVCacheStorage.bytes_per_block(**shape, dtype=self.dtype))
+        if self.num_blocks <= 0:
+            raise ValueError(f"kv_cache_memory={args.kv_cache_memory} bytes holds no KV block of this model")
+        self.storage = KVCacheStorage(num_blocks=self.num_blocks, dtype=self.dtype, device=self.device, **shape)
+        # The pool is allocated once, so the per-layer views stay valid for the runner's life.
+        self.kv_caches = [(self.storage.k_cache(i), self.storage.v_cache(i)) for i in range(cfg.num_layers)]
+        self.info = ModelInfo(model_type=cfg.model_type, vocab_size=cfg.vocab_size, num_layers=cfg.num_layers,
+                              num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, max_model_len=max_len,
+                              eos_token_ids=list(cfg.eos_token_ids))
 
     info: ModelInfo
     num_blocks: int
@@ -48,4 +77,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: BatchInput) -> torch.Tensor:
         """Run the model on the batch, writing K/V into the pool; return fp32 logits [num_logits, vocab]."""
-        raise NotImplementedError
+        dev = self.device
+        cu = batch.cu_seqlens_q.to(dev)
+        max_q = batch.max_seqlen_q or int((batch.cu_seqlens_q[1:] - batch.cu_seqlens_q[:-1]).max())
+        meta = AttentionMetadata(slot_mapping=batch.slot_mapping.to(dev), block_tables=batch.block_tables.to(dev),
+                                 cu_seqlens_q=cu, seq_lens=batch.seq_lens.to(dev), max_seqlen_q=max_q,
+                                 max_seq_len=batch.max_seq_len)
+        return self.model(batch.input_ids.to(dev), batch.positions.to(dev), meta, self.kv_caches,
+                          self.attention, batch.logits_indices.to(dev))

@@ -1,0 +1,56 @@
+"""Build a :class:`BatchInput` from per-sequence chunks (tests, benchmarks, tools).
+
+Each chunk is "these new tokens of one sequence, after ``num_computed`` already cached tokens, with
+this block table". Index arithmetic, for a sequence with ``num_computed=5`` and 3 new tokens,
+``block_size=4`` and block table ``[7, 2]``::
+
+    positions     5  6  7          (num_computed + i)
+    block         2  2  2          (block_table[pos // block_size] -> table[1])
+    slot          9 10 11          (block * block_size + pos % block_size)
+    seq_len       8                (num_computed + new tokens)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from backend.model.runner import BatchInput
+
+
+@dataclass
+class SeqChunk:
+    token_ids: list[int]          # this step's new tokens of the sequence
+    num_computed: int             # tokens of the sequence already in the KV cache
+    block_table: list[int]        # block ids covering at least num_computed + len(token_ids) tokens
+    all_logits: bool = False      # logits for every new token, not only the last
+
+
+def build_batch(chunks: list[SeqChunk], block_size: int) -> BatchInput:
+    ids, positions, slots, cu, seq_lens, logits = [], [], [], [0], [], []
+    for c in chunks:
+        n = len(c.token_ids)
+        end = c.num_computed + n
+        if n == 0 or len(c.block_table) * block_size < end:
+            raise ValueError(f"chunk needs >= 1 token and a block table covering {end} tokens")
+        row0 = len(ids)
+        for pos in range(c.num_computed, end):
+            positions.append(pos)
+            slots.append(c.block_table[pos // block_size] * block_size + pos % block_size)
+        ids.extend(c.token_ids)
+        cu.append(len(ids))
+        seq_lens.append(end)
+        logits.extend(range(row0, row0 + n) if c.all_logits else [row0 + n - 1])
+    width = max(len(c.block_table) for c in chunks)
+    tables = [c.block_table + [0] * (width - len(c.block_table)) for c in chunks]
+    return BatchInput(
+        input_ids=torch.tensor(ids, dtype=torch.int64),
+        positions=torch.tensor(positions, dtype=torch.int64),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor(tables, dtype=torch.int32),
+        logits_indices=torch.tensor(logits, dtype=torch.int64),
+        max_seqlen_q=max(len(c.token_ids) for c in chunks),
+        max_seq_len=max(seq_lens),
+    )

@@ -1,0 +1,112 @@
+"""Load a Hugging Face safetensors checkpoint into :class:`LlamaForCausalLM`.
+
+Reads ``model.safetensors`` or the shards named by ``model.safetensors.index.json``, one tensor at
+a time, converting each to the target dtype as it is copied into place, so peak memory is the model
+plus one tensor. HF names map onto ours with q/k/v and gate/up fused::
+
+    model.layers.N.self_attn.{q,k,v}_proj.{weight,bias} -> ...self_attn.qkv_proj  rows [q | k | v]
+    model.layers.N.mlp.{gate,up}_proj.{weight,bias}     -> ...mlp.gate_up_proj    rows [gate | up]
+    lm_head.weight                                      -> lm_head (skipped when tied)
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+
+import torch
+from torch import nn
+
+from backend.model.config import ModelConfig
+from backend.model.llama import LlamaForCausalLM, RotaryEmbedding
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_FUSED = re.compile(r"^(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)} (got {name!r})")
+    return DTYPES[name]
+
+
+def checkpoint_files(model_dir: str | pathlib.Path) -> list[pathlib.Path]:
+    model_dir = pathlib.Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / s for s in shards]
+    single = model_dir / "model.safetensors"
+    if single.exists():
+        return [single]
+    raise ValueError(f"{model_dir}: no model.safetensors or model.safetensors.index.json "
+                     "(only safetensors checkpoints are supported)")
+
+
+def iter_checkpoint(model_dir: str | pathlib.Path):
+    """Yield (hf_name, tensor) for every tensor in the checkpoint, in file order."""
+    from safetensors import safe_open
+
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def _fused_slice(cfg: ModelConfig, proj: str) -> tuple[str, int, int]:
+    """(fused parameter name, first row, row count) for one HF projection."""
+    q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    return {"q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv),
+            "v_proj": ("qkv_proj", q + kv, kv),
+            "gate_proj": ("gate_up_proj", 0, inter), "up_proj": ("gate_up_proj", inter, inter)}[proj]
+
+
+def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Replace every meta parameter with uninitialized storage of the target dtype/device."""
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None:
+                module._parameters[name] = nn.Parameter(
+                    torch.empty(p.shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def load_model(model_dir: str | pathlib.Path, cfg: ModelConfig, *, dtype: torch.dtype,
+               device: str | torch.device = "cpu", max_positions: int | None = None) -> LlamaForCausalLM:
+    """Build the model and fill every parameter from the checkpoint; ValueError on any mismatch."""
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, rotary=None)
+    _materialize(model, dtype, device)
+    model.rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope, device)
+    params = dict(model.named_parameters())
+    # Rows still to be filled, per parameter: a fused one is complete when all its parts arrived.
+    missing = {name: p.shape[0] if p.dim() else 1 for name, p in params.items()}
+
+    for hf_name, tensor in iter_checkpoint(model_dir):
+        if hf_name.endswith("rotary_emb.inv_freq"):
+            continue                                     # old checkpoints store it; we recompute
+        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue                                     # some tied checkpoints store both copies
+        name, row0, rows = hf_name, 0, None
+        m = _FUSED.match(hf_name)
+        if m:
+            fused, row0, rows = _fused_slice(cfg, m.group(2))
+            name = f"{m.group(1)}.{fused}.{m.group(3)}"
+        if name == "model.embed_tokens.weight":
+            name = "model.embed_tokens"
+        elif name == "lm_head.weight":
+            name = "lm_head"
+        if name not in params:
+            raise ValueError(f"{model_dir}: unexpected tensor {hf_name!r} for {cfg.model_type} config")
+        target = params[name] if rows is None else params[name].narrow(0, row0, rows)
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise ValueError(f"{model_dir}: {hf_name} has shape {tuple(tensor.shape)}, "
+                             f"config implies {tuple(target.shape)}")
+        target.copy_(tensor)
+        missing[name] -= target.shape[0] if target.dim() else 1
+
+    absent = [n for n, left in missing.items() if left]
+    if absent:
+        raise ValueError(f"{model_dir}: checkpoint lacks {', '.join(absent[:5])}"
+                         f"{' ...' if len(absent) > 5 else ''}")
+    return model.eval()
