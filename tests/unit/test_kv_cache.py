@@ -250,3 +250,15 @@ def test_prefix_caching_disabled_caches_nothing():
     assert m.pool.cached == {} and m.lookup_prefix(list(range(9))) == 0
     m.free("a")
     assert run_prompt(m, "b", list(range(9))) == 0
+
+
+def test_check_integrity_catches_corruption():
+    m = make()
+    run_prompt(m, "a", list(range(9)))
+    m.pool.blocks[0].ref_cnt += 1                       # a ref nobody holds
+    with pytest.raises(AssertionError, match="ref"):
+        m.check_integrity()
+    m.pool.blocks[0].ref_cnt -= 1
+    m.pool.cached.pop(m.pool.blocks[1].block_hash)      # hash map loses a cached block
+    with pytest.raises(AssertionError, match="hash map"):
+        m.check_integrity()
