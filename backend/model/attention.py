@@ -56,7 +56,8 @@ class TorchAttention(AttentionBackend):
     def forward(self, query, key, value, k_cache, v_cache, meta, scale):
         self._store(key=key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=meta.slot_mapping)
         return self._attend(query=query, k_cache=k_cache, v_cache=v_cache, block_tables=meta.block_tables,
-                            cu_seqlens_q=meta.cu_seqlens_q, seq_lens=meta.seq_lens, scale=scale)
+                            cu_seqlens_q=meta.cu_seqlens_q, seq_lens=meta.seq_lens, scale=scale,
+                            max_seq_len=meta.max_seq_len or None)
 
 
 class TritonAttention(AttentionBackend):
@@ -70,7 +71,8 @@ class TritonAttention(AttentionBackend):
     def forward(self, query, key, value, k_cache, v_cache, meta, scale):
         self._store(key=key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=meta.slot_mapping)
         return self._attend(query=query, k_cache=k_cache, v_cache=v_cache, block_tables=meta.block_tables,
-                            cu_seqlens_q=meta.cu_seqlens_q, seq_lens=meta.seq_lens, scale=scale)
+                            cu_seqlens_q=meta.cu_seqlens_q, seq_lens=meta.seq_lens, scale=scale,
+                            max_seq_len=meta.max_seq_len or None)
 
 
 def make_attention_backend(name: str, device: str | torch.device) -> AttentionBackend:

@@ -1,0 +1,143 @@
+"""Our model's logits equal transformers' (fp32) through the paged cache, for both presets.
+
+Every test uses shuffled block ids, so a wrong block-table lookup cannot pass by luck.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from backend.config import EngineArgs
+from backend.model.batch_builder import SeqChunk, build_batch
+from backend.model.runner import ModelRunner
+from tests.conftest import model_dir
+
+BLOCK = 4          # small blocks: every sequence spans several, chunks cross block boundaries
+NUM_BLOCKS = 64
+ATOL = 1e-4
+
+PRESETS = ["tiny", "tiny-qwen2"]
+
+
+@pytest.fixture(scope="module", params=PRESETS)
+def preset(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def hf_model(preset):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(model_dir(preset), dtype=torch.float32).eval()
+
+
+def make_runner(path, **kw) -> ModelRunner:
+    return ModelRunner(str(path), EngineArgs(block_size=BLOCK, num_kv_blocks=NUM_BLOCKS, **kw))
+
+
+def hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+class Blocks:
+    """Hands out block ids in a shuffled order."""
+
+    def __init__(self, seed: int = 0):
+        self.free = random.Random(seed).sample(range(NUM_BLOCKS), NUM_BLOCKS)
+
+    def take(self, n_tokens: int) -> list[int]:
+        n = -(-n_tokens // BLOCK)
+        out, self.free = self.free[:n], self.free[n:]
+        return out
+
+
+def prompts(vocab: int, lengths: list[int], seed: int = 1) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+def test_single_prompt_prefill(preset, hf_model):
+    runner = make_runner(model_dir(preset))
+    [ids] = prompts(runner.info.vocab_size, [21])
+    batch = build_batch([SeqChunk(ids, 0, Blocks().take(21), all_logits=True)], BLOCK)
+    out = runner.execute(batch)
+    assert out.dtype == torch.float32 and out.shape == (21, runner.info.vocab_size)
+    torch.testing.assert_close(out, hf_logits(hf_model, ids), atol=ATOL, rtol=0)
+
+
+def test_mixed_lengths_one_flat_batch(preset, hf_model):
+    runner = make_runner(model_dir(preset))
+    seqs = prompts(runner.info.vocab_size, [1, 9, 4, 17, 2])
+    blocks = Blocks(seed=3)
+    batch = build_batch([SeqChunk(s, 0, blocks.take(len(s)), all_logits=True) for s in seqs], BLOCK)
+    out = runner.execute(batch)
+    rows = batch.cu_seqlens_q.tolist()
+    for i, s in enumerate(seqs):
+        torch.testing.assert_close(out[rows[i]:rows[i + 1]], hf_logits(hf_model, s), atol=ATOL, rtol=0)
+
+
+def test_last_token_logits_only(preset, hf_model):
+    runner = make_runner(model_dir(preset))
+    seqs = prompts(runner.info.vocab_size, [6, 11])
+    blocks = Blocks(seed=4)
+    out = runner.execute(build_batch([SeqChunk(s, 0, blocks.take(len(s))) for s in seqs], BLOCK))
+    assert out.shape == (2, runner.info.vocab_size)
+    for i, s in enumerate(seqs):
+        torch.testing.assert_close(out[i], hf_logits(hf_model, s)[-1], atol=ATOL, rtol=0)
+
+
+def test_chunked_prefill_then_decode_with_shared_prefix(preset, hf_model):
+    """A: 3 prefill chunks (crossing block edges), then greedy decode steps.
+    B: shares A's first 2 full blocks as a cached prefix, prefills the rest while A still prefills,
+    then decodes in the same steps as A -- mixed prefill/decode batches throughout."""
+    runner = make_runner(model_dir(preset))
+    vocab = runner.info.vocab_size
+    a, b_tail = prompts(vocab, [23, 7], seed=5)
+    shared = 2 * BLOCK
+    b = a[:shared] + b_tail
+    blocks = Blocks(seed=6)
+    table_a = blocks.take(40)
+    table_b = table_a[:2] + blocks.take(40 - shared)
+
+    got = {"a": [], "b": []}
+
+    def step(chunks: dict[str, SeqChunk]):
+        batch = build_batch(list(chunks.values()), BLOCK)
+        out = runner.execute(batch)
+        rows = batch.cu_seqlens_q.tolist()
+        for i, key in enumerate(chunks):
+            got[key].append(out[rows[i]:rows[i + 1]])
+        return out
+
+    step({"a": SeqChunk(a[:8], 0, table_a, all_logits=True)})
+    step({"a": SeqChunk(a[8:17], 8, table_a, all_logits=True),
+          "b": SeqChunk(b[shared:shared + 3], shared, table_b, all_logits=True)})
+    step({"a": SeqChunk(a[17:], 17, table_a, all_logits=True),
+          "b": SeqChunk(b[shared + 3:], shared + 3, table_b, all_logits=True)})
+    for _ in range(4):                         # decode A and B together, greedy
+        next_a = int(got["a"][-1][-1].argmax())
+        next_b = int(got["b"][-1][-1].argmax())
+        a, b = a + [next_a], b + [next_b]
+        step({"a": SeqChunk([next_a], len(a) - 1, table_a), "b": SeqChunk([next_b], len(b) - 1, table_b)})
+
+    ref_a, ref_b = hf_logits(hf_model, a), hf_logits(hf_model, b)
+    torch.testing.assert_close(torch.cat(got["a"]), ref_a[:len(a)], atol=ATOL, rtol=0)
+    torch.testing.assert_close(torch.cat(got["b"]), ref_b[shared:len(b)], atol=ATOL, rtol=0)
+
+
+def test_bf16_close_to_fp32(preset):
+    path = model_dir(preset)
+    r32, r16 = make_runner(path), make_runner(path, dtype="bfloat16")
+    assert r16.storage.k_cache(0).dtype == torch.bfloat16
+    seqs = prompts(r32.info.vocab_size, [12, 5])
+    chunks = [SeqChunk(s, 0, Blocks(seed=7).take(12) if i == 0 else list(range(NUM_BLOCKS - 2, NUM_BLOCKS)),
+                       all_logits=True) for i, s in enumerate(seqs)]
+    out32 = r32.execute(build_batch(chunks, BLOCK))
+    out16 = r16.execute(build_batch(chunks, BLOCK))
+    assert out16.dtype == torch.float32
+    scale = out32.abs().max()
+    assert (out16 - out32).abs().max() < 0.05 * scale
+    # The top token agrees almost everywhere (bf16 may swap near-ties).
+    assert (out16.argmax(-1) == out32.argmax(-1)).float().mean() >= 0.9
