@@ -1,6 +1,7 @@
 """KV storage layout, offload to host/disk tiers and swap-in, on a small real KVCacheStorage."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from backend.kv_cache import KVCacheManager, KVCacheStorage
@@ -17,7 +18,7 @@ def write_kv(st: KVCacheStorage, slots: list[int], gen: torch.Generator) -> None
     """Stand-in for the model: random K and V at these slots in every layer."""
     for layer in range(LAYERS):
         for cache in (st.k_cache(layer), st.v_cache(layer)):
-            cache.view(-1, HEADS, DIM)[slots] = torch.randn(len(slots), HEADS, DIM, generator=gen)
+            cache.view(-1, HEADS, DIM)[slots] = torch.randn(len(slots), HEADS, DIM, generator=gen).to(cache)
 
 
 def read_kv(st: KVCacheStorage, slots: list[int]) -> torch.Tensor:
@@ -151,3 +152,19 @@ def _return_to_first_conversation(host_tier_blocks: int) -> tuple[int, int]:
 def test_host_tier_avoids_recomputing_a_returning_conversation():
     assert _return_to_first_conversation(host_tier_blocks=8) == (16, 0)    # all swapped in
     assert _return_to_first_conversation(host_tier_blocks=0) == (16, 16)   # all recomputed
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_storage_offloads_through_pinned_host_memory():
+    st = KVCacheStorage(num_layers=LAYERS, num_blocks=4, block_size=BS, num_kv_heads=HEADS, head_dim=DIM,
+                        dtype=torch.bfloat16, device="cuda")
+    m = KVCacheManager(num_blocks=4, block_size=BS, storage=st, host_tier_blocks=8)
+    assert m.offload.tiers[0].data.is_pinned()
+    gen = torch.Generator().manual_seed(6)
+    a = list(range(12))
+    _, kv_a = compute(m, st, "a", a + [99], gen)
+    m.free("a")
+    compute(m, st, "b", [50] * 16, gen)
+    m.free("b")
+    assert m.acquire_prefix("a2", a + [0]) == 12
+    assert torch.equal(read_kv(st, m.slot_mapping("a2", 0, 12)), kv_a[:, :, :12])
