@@ -1,0 +1,68 @@
+"""The chat web page and its session store, mounted into the OpenAI shim's FastAPI app.
+
+    mount_chat(app, settings)
+        GET  /                  the page (static/index.html)
+        GET  /static/chat/...   its script and style
+        /api/...                the REST API (client/chat/router.py, docs/chat.md)
+
+The page streams replies from the shim's own ``POST /v1/chat/completions``. What it needs from
+the app: ``app.state.authenticate(request) -> tenant`` and, for the summarize policy,
+``app.state.complete(messages, *, max_tokens, tenant) -> str``. Settings read (all optional):
+``chat_db_path``, ``max_model_len``, ``model_name``, ``model_dir``, ``chat_keep_turns``.
+"""
+from __future__ import annotations
+
+import logging
+import pathlib
+import threading
+
+from fastapi.responses import FileResponse
+from fastapi.staticfiles import StaticFiles
+
+from client.chat.context import ContextBuilder, TokenCounter, model_max_len
+from client.chat.router import build_router, install_error_handlers
+from client.chat.store import ChatStore
+
+STATIC = pathlib.Path(__file__).resolve().parent / "static"
+log = logging.getLogger(__name__)
+
+__all__ = ["mount_chat", "ChatStore", "ContextBuilder", "TokenCounter"]
+
+
+def mount_chat(app, settings=None) -> ChatStore:
+    """Add the page, its static files and /api/... to ``app``; returns the store."""
+    db_path = getattr(settings, "chat_db_path", None) or ":memory:"
+    if db_path == ":memory:":
+        log.warning("chat sessions are kept in memory only (set chat_db_path to persist them)")
+    else:
+        pathlib.Path(db_path).parent.mkdir(parents=True, exist_ok=True)
+    store = ChatStore(str(db_path))
+    model_dir = getattr(settings, "model_dir", None)
+    max_model_len = model_max_len(settings, model_dir)
+
+    async def complete(messages, *, max_tokens, tenant):
+        # Looked up per call: the shim may set app.state.complete after mounting the chat.
+        return await app.state.complete(messages, max_tokens=max_tokens, tenant=tenant)
+
+    lock, built = threading.Lock(), []
+
+    def builder() -> ContextBuilder:
+        with lock:          # the tokenizer is loaded on first use, once
+            if not built:
+                counter = TokenCounter(str(model_dir) if model_dir else None)
+                built.append(ContextBuilder(store, counter, max_model_len, complete))
+        return built[0]
+
+    config = {"model": getattr(settings, "model_name", None), "max_model_len": max_model_len,
+              "default_policy": "truncate",
+              "default_keep_turns": int(getattr(settings, "chat_keep_turns", None) or 8)}
+    app.state.chat_store = store
+    install_error_handlers(app)
+    app.include_router(build_router(store, builder, config))
+    app.mount("/static/chat", StaticFiles(directory=STATIC), name="chat-static")
+
+    @app.get("/", include_in_schema=False)
+    async def index():
+        return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
+
+    return store

@@ -1,0 +1,174 @@
+"""REST API of the chat page: conversations, their message trees, branches and context windows.
+
+Every route authenticates through ``app.state.authenticate(request) -> tenant`` (the shim's API-key
+check) and passes the tenant to the store, which scopes every query by it. Errors use the OpenAI
+error shape ``{"error": {"message", "type", "param", "code"}}``. See docs/chat.md.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict
+
+from client.chat.context import ContextBuilder
+from client.chat.store import POLICIES, ChatStore, Invalid, NotFound
+
+TITLE_CHARS = 48
+
+
+class ConversationIn(BaseModel):
+    """Create/update body; only the fields present are applied (validated by the store)."""
+    model_config = ConfigDict(extra="forbid")
+    title: Any = None
+    system_prompt: Any = None
+    policy: Any = None
+    keep_turns: Any = None
+    max_tokens: Any = None
+    params: Any = None
+
+    def fields(self) -> dict:
+        return {k: getattr(self, k) for k in self.model_fields_set}
+
+
+class MessageIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: str = "user"
+    content: Any = None
+    parent_id: str | None = None     # absent: the current leaf; null: a new root
+    finish_reason: str | None = None
+    stopped: bool = False
+    stats: Any = None
+    context: Any = None
+
+
+class EditIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    content: Any = None
+
+
+class LeafIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    message_id: str
+    descend: bool = True
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def install_error_handlers(app) -> None:
+    async def not_found(request: Request, exc: NotFound):
+        return JSONResponse(error_body(str(exc), "not_found_error", None, "not_found"), 404)
+
+    async def invalid(request: Request, exc: Invalid):
+        return JSONResponse(error_body(str(exc), "invalid_request_error", exc.param), 400)
+
+    app.add_exception_handler(NotFound, not_found)
+    app.add_exception_handler(Invalid, invalid)
+
+
+async def tenant_of(request: Request) -> str:
+    tenant = request.app.state.authenticate(request)
+    if inspect.isawaitable(tenant):
+        tenant = await tenant
+    return tenant
+
+
+def build_router(store: ChatStore, builder: Callable[[], ContextBuilder], config: dict) -> APIRouter:
+    """``builder()`` returns the ContextBuilder (made lazily: it loads the tokenizer)."""
+    api = APIRouter(prefix="/api")
+
+    def tree(tenant: str, conv_id: str) -> dict:
+        conv = store.get_conversation(tenant, conv_id)
+        messages = store.messages(tenant, conv_id)
+        path = [m.id for m in store.path(tenant, conv_id)]
+        roots = [m.id for m in messages.values() if m.parent_id is None]
+        return {"conversation": conv.to_json(), "messages": [m.to_json() for m in messages.values()],
+                "root_ids": roots, "path": path}
+
+    async def context_json(tenant: str, conv_id: str, leaf_id: str) -> dict:
+        conv = store.get_conversation(tenant, conv_id)
+        result = await builder().build(tenant, conv, leaf_id)
+        return {**result.to_json(), "params": conv.params}
+
+    def autotitle(tenant: str, conv_id: str, content: str) -> None:
+        conv = store.get_conversation(tenant, conv_id)
+        if conv.title == "New chat":
+            text = " ".join(content.split())
+            title = text if len(text) <= TITLE_CHARS else text[:TITLE_CHARS - 1].rstrip() + "…"
+            store.update_conversation(tenant, conv_id, title=title or "New chat")
+
+    @api.get("/config")
+    async def get_config(tenant: str = Depends(tenant_of)):
+        return {**config, "policies": list(POLICIES)}
+
+    @api.get("/conversations")
+    async def list_conversations(tenant: str = Depends(tenant_of)):
+        return {"data": [c.to_json() for c in store.list_conversations(tenant)]}
+
+    @api.post("/conversations", status_code=201)
+    async def create_conversation(body: ConversationIn | None = None,
+                                  tenant: str = Depends(tenant_of)):
+        fields = body.fields() if body else {}
+        fields.setdefault("keep_turns", config["default_keep_turns"])
+        return store.create_conversation(tenant, **fields).to_json()
+
+    @api.get("/conversations/{conv_id}")
+    async def get_conversation(conv_id: str, tenant: str = Depends(tenant_of)):
+        return tree(tenant, conv_id)
+
+    @api.patch("/conversations/{conv_id}")
+    async def update_conversation(conv_id: str, body: ConversationIn,
+                                  tenant: str = Depends(tenant_of)):
+        return store.update_conversation(tenant, conv_id, **body.fields()).to_json()
+
+    @api.delete("/conversations/{conv_id}", status_code=204)
+    async def delete_conversation(conv_id: str, tenant: str = Depends(tenant_of)):
+        store.delete_conversation(tenant, conv_id)
+        return Response(status_code=204)
+
+    @api.post("/conversations/{conv_id}/messages", status_code=201)
+    async def add_message(conv_id: str, body: MessageIn, tenant: str = Depends(tenant_of)):
+        conv = store.get_conversation(tenant, conv_id)
+        parent_id = body.parent_id if "parent_id" in body.model_fields_set else conv.current_leaf_id
+        msg = store.add_message(tenant, conv_id, role=body.role, content=body.content,
+                                parent_id=parent_id, finish_reason=body.finish_reason,
+                                stopped=body.stopped, stats=body.stats, context=body.context)
+        out: dict = {"message": msg.to_json()}
+        if msg.role == "user":
+            autotitle(tenant, conv_id, msg.content)
+            out["context"] = await context_json(tenant, conv_id, msg.id)
+        return out
+
+    @api.get("/conversations/{conv_id}/messages/{msg_id}")
+    async def get_message(conv_id: str, msg_id: str, tenant: str = Depends(tenant_of)):
+        return store.get_message(tenant, conv_id, msg_id).to_json()
+
+    @api.post("/conversations/{conv_id}/messages/{msg_id}/edit", status_code=201)
+    async def edit_message(conv_id: str, msg_id: str, body: EditIn,
+                           tenant: str = Depends(tenant_of)):
+        """An edit never changes history: it adds a sibling user message (a new branch)."""
+        original = store.get_message(tenant, conv_id, msg_id)
+        if original.role != "user":
+            raise Invalid("only user messages are edited; regenerate a reply instead", "msg_id")
+        msg = store.add_message(tenant, conv_id, role="user", content=body.content,
+                                parent_id=original.parent_id)
+        return {"message": msg.to_json(), "context": await context_json(tenant, conv_id, msg.id)}
+
+    @api.get("/conversations/{conv_id}/context")
+    async def get_context(conv_id: str, leaf_id: str | None = None,
+                          tenant: str = Depends(tenant_of)):
+        leaf_id = leaf_id or store.get_conversation(tenant, conv_id).current_leaf_id
+        if leaf_id is None:
+            raise Invalid("the conversation has no messages yet", "leaf_id")
+        return await context_json(tenant, conv_id, leaf_id)
+
+    @api.put("/conversations/{conv_id}/leaf")
+    async def set_leaf(conv_id: str, body: LeafIn, tenant: str = Depends(tenant_of)):
+        leaf = store.set_leaf(tenant, conv_id, body.message_id, descend=body.descend)
+        return {"current_leaf_id": leaf, "path": [m.id for m in store.path(tenant, conv_id)]}
+
+    return api

@@ -1,0 +1,380 @@
+"""SQLite session store: conversations (per tenant) holding a tree of messages.
+
+    conversation ── current_leaf ──┐
+        │                          ▼
+        └─ messages:  u1 ─ a1 ─ u2 ─ a2        a message's parent is in the same conversation
+                       │         └─ u2' ─ a2'  (an edit: a sibling of u2, a new branch)
+                       └─ u1' ...              (roots are siblings too)
+
+Every method takes the tenant and only ever touches that tenant's rows: another tenant's
+conversation is indistinguishable from a missing one (:class:`NotFound`, HTTP 404).
+Foreign keys are ON; deleting a conversation cascades to its messages and cached summaries.
+The composite key (conversation_id, parent_id) -> messages(conversation_id, id) makes "the parent
+lives in the same conversation" a database invariant, not only an application check.
+"""
+from __future__ import annotations
+
+import json
+import secrets
+import sqlite3
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+POLICIES = ("truncate", "summarize")
+# Sampling fields a conversation may forward to /v1/chat/completions (its "params" setting).
+ALLOWED_PARAMS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "seed": int,
+                  "presence_penalty": float, "frequency_penalty": float,
+                  "repetition_penalty": float, "ignore_eos": bool, "stop": list}
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS conversations (
+    id              TEXT PRIMARY KEY,
+    tenant          TEXT NOT NULL,
+    title           TEXT NOT NULL,
+    created_at      REAL NOT NULL,
+    updated_at      REAL NOT NULL,
+    current_leaf_id TEXT REFERENCES messages(id) ON DELETE SET NULL,
+    system_prompt   TEXT NOT NULL DEFAULT '',
+    policy          TEXT NOT NULL DEFAULT 'truncate' CHECK (policy IN ('truncate', 'summarize')),
+    keep_turns      INTEGER NOT NULL DEFAULT 8 CHECK (keep_turns >= 1),
+    max_tokens      INTEGER CHECK (max_tokens IS NULL OR max_tokens >= 1),
+    params          TEXT NOT NULL DEFAULT '{}'
+);
+CREATE INDEX IF NOT EXISTS conversations_tenant ON conversations(tenant, updated_at);
+CREATE TABLE IF NOT EXISTS messages (
+    id              TEXT PRIMARY KEY,
+    conversation_id TEXT NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+    parent_id       TEXT,
+    seq             INTEGER NOT NULL,
+    role            TEXT NOT NULL CHECK (role IN ('user', 'assistant')),
+    content         TEXT NOT NULL,
+    created_at      REAL NOT NULL,
+    finish_reason   TEXT,
+    stopped         INTEGER NOT NULL DEFAULT 0,
+    stats           TEXT,
+    context         TEXT,
+    UNIQUE (conversation_id, id),
+    FOREIGN KEY (conversation_id, parent_id) REFERENCES messages(conversation_id, id)
+        ON DELETE CASCADE
+);
+CREATE INDEX IF NOT EXISTS messages_parent ON messages(conversation_id, parent_id, seq);
+CREATE TABLE IF NOT EXISTS summaries (
+    conversation_id TEXT NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+    upto_id         TEXT NOT NULL REFERENCES messages(id) ON DELETE CASCADE,
+    turns           INTEGER NOT NULL,
+    content         TEXT NOT NULL,
+    created_at      REAL NOT NULL,
+    PRIMARY KEY (conversation_id, upto_id)
+);
+"""
+
+
+class NotFound(LookupError):
+    """No such conversation or message for this tenant (HTTP 404)."""
+
+
+class Invalid(ValueError):
+    """A request the store refuses: bad field value or an impossible tree edit (HTTP 400)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class Conversation:
+    id: str
+    title: str
+    created_at: float
+    updated_at: float
+    current_leaf_id: str | None
+    system_prompt: str
+    policy: str
+    keep_turns: int
+    max_tokens: int | None
+    params: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Message:
+    id: str
+    conversation_id: str
+    parent_id: str | None
+    role: str
+    content: str
+    created_at: float
+    finish_reason: str | None = None
+    stopped: bool = False
+    stats: dict | None = None
+    context: dict | None = None
+    children: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(8)}"
+
+
+def validate_settings(fields: dict) -> dict:
+    """Check conversation settings from a request; returns the normalized subset (raises Invalid)."""
+    out: dict = {}
+    if "title" in fields:
+        title = fields["title"]
+        if not isinstance(title, str) or not title.strip() or len(title) > 200:
+            raise Invalid("title must be a non-empty string of at most 200 characters", "title")
+        out["title"] = title.strip()
+    if "system_prompt" in fields:
+        if not isinstance(fields["system_prompt"], str):
+            raise Invalid("system_prompt must be a string", "system_prompt")
+        out["system_prompt"] = fields["system_prompt"]
+    if "policy" in fields:
+        if fields["policy"] not in POLICIES:
+            raise Invalid(f"policy must be one of {', '.join(POLICIES)}", "policy")
+        out["policy"] = fields["policy"]
+    if "keep_turns" in fields:
+        n = fields["keep_turns"]
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 1000:
+            raise Invalid("keep_turns must be an integer from 1 to 1000", "keep_turns")
+        out["keep_turns"] = n
+    if "max_tokens" in fields:
+        n = fields["max_tokens"]
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise Invalid("max_tokens must be a positive integer or null", "max_tokens")
+        out["max_tokens"] = n
+    if "params" in fields:
+        params = fields["params"]
+        if not isinstance(params, dict):
+            raise Invalid("params must be an object", "params")
+        for key, value in params.items():
+            kind = ALLOWED_PARAMS.get(key)
+            if kind is None:
+                raise Invalid(f"params.{key} is not supported; allowed: {', '.join(ALLOWED_PARAMS)}",
+                              "params")
+            if kind is bool:
+                ok = isinstance(value, bool)
+            elif kind is list:
+                ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
+            else:
+                numeric = (int, float) if kind is float else (int,)
+                ok = isinstance(value, numeric) and not isinstance(value, bool)
+            if not ok:
+                raise Invalid(f"params.{key} must be of type {kind.__name__}", "params")
+        out["params"] = dict(params)
+    return out
+
+
+class ChatStore:
+    """All conversation state. Thread-safe: one connection, one lock (requests are short)."""
+
+    def __init__(self, path: str):
+        self.db_path = path
+        self._lock = threading.RLock()
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA foreign_keys = ON")
+        if path != ":memory:":
+            self._db.execute("PRAGMA journal_mode = WAL")
+        self._db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    # -- conversations ---------------------------------------------------------------------------
+    def create_conversation(self, tenant: str, **settings) -> Conversation:
+        fields = validate_settings(settings)
+        now = time.time()
+        conv_id = _new_id("conv")
+        with self._lock:
+            self._db.execute(
+                "INSERT INTO conversations (id, tenant, title, created_at, updated_at, system_prompt,"
+                " policy, keep_turns, max_tokens, params) VALUES (?,?,?,?,?,?,?,?,?,?)",
+                (conv_id, tenant, fields.get("title", "New chat"), now, now,
+                 fields.get("system_prompt", ""), fields.get("policy", "truncate"),
+                 fields.get("keep_turns", 8), fields.get("max_tokens"),
+                 json.dumps(fields.get("params", {}))))
+        return self.get_conversation(tenant, conv_id)
+
+    def list_conversations(self, tenant: str) -> list[Conversation]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT * FROM conversations WHERE tenant = ? ORDER BY updated_at DESC, id",
+                (tenant,)).fetchall()
+        return [self._conv(r) for r in rows]
+
+    def get_conversation(self, tenant: str, conv_id: str) -> Conversation:
+        with self._lock:
+            row = self._db.execute("SELECT * FROM conversations WHERE id = ? AND tenant = ?",
+                                   (conv_id, tenant)).fetchone()
+        if row is None:
+            raise NotFound(f"conversation {conv_id!r} not found")
+        return self._conv(row)
+
+    def update_conversation(self, tenant: str, conv_id: str, **settings) -> Conversation:
+        fields = validate_settings(settings)
+        if "params" in fields:
+            fields["params"] = json.dumps(fields["params"])
+        with self._lock:
+            self.get_conversation(tenant, conv_id)
+            if fields:
+                cols = ", ".join(f"{k} = ?" for k in fields)
+                self._db.execute(f"UPDATE conversations SET {cols}, updated_at = ? "
+                                 "WHERE id = ? AND tenant = ?",
+                                 (*fields.values(), time.time(), conv_id, tenant))
+        return self.get_conversation(tenant, conv_id)
+
+    def delete_conversation(self, tenant: str, conv_id: str) -> None:
+        with self._lock:
+            cur = self._db.execute("DELETE FROM conversations WHERE id = ? AND tenant = ?",
+                                   (conv_id, tenant))
+        if cur.rowcount == 0:
+            raise NotFound(f"conversation {conv_id!r} not found")
+
+    # -- messages --------------------------------------------------------------------------------
+    def add_message(self, tenant: str, conv_id: str, *, role: str, content: str,
+                    parent_id: str | None, finish_reason: str | None = None, stopped: bool = False,
+                    stats: dict | None = None, context: dict | None = None) -> Message:
+        """Append a message under ``parent_id`` (None: a new root) and make it the current leaf.
+
+        Roles alternate along a path: a user message follows an assistant message (or is a root),
+        an assistant message follows a user message.
+        """
+        if role not in ("user", "assistant"):
+            raise Invalid("role must be 'user' or 'assistant'", "role")
+        if not isinstance(content, str):
+            raise Invalid("content must be a string", "content")
+        if role == "user" and not content.strip():
+            raise Invalid("content must not be empty", "content")
+        for name, value in (("stats", stats), ("context", context)):
+            if value is not None and not isinstance(value, dict):
+                raise Invalid(f"{name} must be an object", name)
+        with self._lock:
+            self.get_conversation(tenant, conv_id)
+            if parent_id is None:
+                if role != "user":
+                    raise Invalid("a conversation starts with a user message", "role")
+            else:
+                parent = self._message_row(conv_id, parent_id)
+                if parent["role"] == role:
+                    raise Invalid(f"a {role} message cannot follow a {parent['role']} message",
+                                  "parent_id")
+            now = time.time()
+            msg_id = _new_id("msg")
+            seq = self._db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM messages "
+                                   "WHERE conversation_id = ?", (conv_id,)).fetchone()[0]
+            self._db.execute("BEGIN")
+            try:
+                self._db.execute(
+                    "INSERT INTO messages (id, conversation_id, parent_id, seq, role, content,"
+                    " created_at, finish_reason, stopped, stats, context)"
+                    " VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                    (msg_id, conv_id, parent_id, seq, role, content, now, finish_reason,
+                     int(bool(stopped)), json.dumps(stats) if stats is not None else None,
+                     json.dumps(context) if context is not None else None))
+                self._db.execute("UPDATE conversations SET current_leaf_id = ?, updated_at = ? "
+                                 "WHERE id = ?", (msg_id, now, conv_id))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        return self.get_message(tenant, conv_id, msg_id)
+
+    def get_message(self, tenant: str, conv_id: str, msg_id: str) -> Message:
+        with self._lock:
+            self.get_conversation(tenant, conv_id)
+            msg = self._msg(self._message_row(conv_id, msg_id))
+            msg.children = [r[0] for r in self._db.execute(
+                "SELECT id FROM messages WHERE conversation_id = ? AND parent_id = ? ORDER BY seq",
+                (conv_id, msg_id))]
+        return msg
+
+    def messages(self, tenant: str, conv_id: str) -> dict[str, Message]:
+        """Every message of the conversation by id (creation order), with children filled in."""
+        with self._lock:
+            self.get_conversation(tenant, conv_id)
+            rows = self._db.execute("SELECT * FROM messages WHERE conversation_id = ? ORDER BY seq",
+                                    (conv_id,)).fetchall()
+        out = {r["id"]: self._msg(r) for r in rows}
+        for m in out.values():
+            if m.parent_id is not None:
+                out[m.parent_id].children.append(m.id)
+        return out
+
+    def path(self, tenant: str, conv_id: str, leaf_id: str | None = None) -> list[Message]:
+        """Messages from the root to ``leaf_id`` (default: the current leaf), in order."""
+        conv = self.get_conversation(tenant, conv_id)
+        leaf_id = leaf_id if leaf_id is not None else conv.current_leaf_id
+        if leaf_id is None:
+            return []
+        with self._lock:
+            self._message_row(conv_id, leaf_id)
+            rows = self._db.execute(
+                "WITH RECURSIVE up(id, parent_id, depth) AS ("
+                " SELECT id, parent_id, 0 FROM messages WHERE id = ? AND conversation_id = ?"
+                " UNION ALL SELECT m.id, m.parent_id, up.depth + 1 FROM messages m"
+                " JOIN up ON m.id = up.parent_id AND m.conversation_id = ?)"
+                " SELECT messages.* FROM up JOIN messages ON messages.id = up.id"
+                " ORDER BY up.depth DESC", (leaf_id, conv_id, conv_id)).fetchall()
+        return [self._msg(r) for r in rows]
+
+    def set_leaf(self, tenant: str, conv_id: str, msg_id: str, *, descend: bool = True) -> str:
+        """Make ``msg_id`` (or, with ``descend``, the newest leaf below it) the current leaf."""
+        with self._lock:
+            self.get_conversation(tenant, conv_id)
+            self._message_row(conv_id, msg_id)
+            leaf = msg_id
+            while descend:
+                row = self._db.execute("SELECT id FROM messages WHERE conversation_id = ? AND "
+                                       "parent_id = ? ORDER BY seq DESC LIMIT 1",
+                                       (conv_id, leaf)).fetchone()
+                if row is None:
+                    break
+                leaf = row[0]
+            self._db.execute("UPDATE conversations SET current_leaf_id = ?, updated_at = ? "
+                             "WHERE id = ? AND tenant = ?", (leaf, time.time(), conv_id, tenant))
+        return leaf
+
+    # -- summaries (cache for the summarize policy) ----------------------------------------------
+    def get_summary(self, tenant: str, conv_id: str, upto_id: str) -> tuple[str, int] | None:
+        with self._lock:
+            self.get_conversation(tenant, conv_id)
+            row = self._db.execute("SELECT content, turns FROM summaries WHERE conversation_id = ?"
+                                   " AND upto_id = ?", (conv_id, upto_id)).fetchone()
+        return (row[0], row[1]) if row else None
+
+    def put_summary(self, tenant: str, conv_id: str, upto_id: str, content: str, turns: int) -> None:
+        with self._lock:
+            self.get_conversation(tenant, conv_id)
+            self._message_row(conv_id, upto_id)
+            self._db.execute("INSERT OR REPLACE INTO summaries VALUES (?,?,?,?,?)",
+                             (conv_id, upto_id, turns, content, time.time()))
+
+    # -- rows ------------------------------------------------------------------------------------
+    def _message_row(self, conv_id: str, msg_id: str) -> sqlite3.Row:
+        row = self._db.execute("SELECT * FROM messages WHERE id = ? AND conversation_id = ?",
+                               (msg_id, conv_id)).fetchone()
+        if row is None:
+            raise NotFound(f"message {msg_id!r} not found in conversation {conv_id!r}")
+        return row
+
+    @staticmethod
+    def _conv(r: sqlite3.Row) -> Conversation:
+        return Conversation(id=r["id"], title=r["title"], created_at=r["created_at"],
+                            updated_at=r["updated_at"], current_leaf_id=r["current_leaf_id"],
+                            system_prompt=r["system_prompt"], policy=r["policy"],
+                            keep_turns=r["keep_turns"], max_tokens=r["max_tokens"],
+                            params=json.loads(r["params"]))
+
+    @staticmethod
+    def _msg(r: sqlite3.Row) -> Message:
+        return Message(id=r["id"], conversation_id=r["conversation_id"], parent_id=r["parent_id"],
+                       role=r["role"], content=r["content"], created_at=r["created_at"],
+                       finish_reason=r["finish_reason"], stopped=bool(r["stopped"]),
+                       stats=json.loads(r["stats"]) if r["stats"] else None,
+                       context=json.loads(r["context"]) if r["context"] else None)
