@@ -55,6 +55,9 @@ class _Seq:
     num_hashed: int = 0              # leading full blocks already linked into the chain
     tip_hash: bytes = ROOT_HASH      # hash of block num_hashed - 1
     tip_id: int = ROOT_ID            # cache-entry id of that block's content
+    # (queried, hit) tokens of acquire_prefix, counted at the first allocate_slots: a scheduler
+    # that acquires and then frees (admission undone) must not count the same prompt every step.
+    pending_query: tuple[int, int] | None = None
 
 
 @dataclass
@@ -120,7 +123,9 @@ class KVCacheManager:
     def acquire_prefix(self, seq_id: str, token_ids: list[int], salt: str | None = None) -> int | None:
         """First call for a sequence: attach its cached prefix blocks (ref + 1; swap-in from the
         offload tiers if needed) and return the number of cached tokens. None if the swap-in
-        needs device blocks that are not free (nothing changed)."""
+        needs device blocks that are not free (nothing changed).
+        The query counts in stats() once the sequence's first allocate_slots succeeds, so an
+        admission undone by free() is not counted again on every retry."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already holds KV blocks; free it first")
         hits = self._match(token_ids, salt)
@@ -147,12 +152,10 @@ class KVCacheManager:
         self._stats.offload_in_blocks += len(to_swap)
         self._stats.offload_in_bytes += len(to_swap) * self._block_bytes
         n = len(hits) * self._block_size
-        seq = _Seq(blocks, salt, num_computed=n, num_hashed=len(hits))
+        seq = _Seq(blocks, salt, num_computed=n, num_hashed=len(hits), pending_query=(len(token_ids), n))
         if hits:
             seq.tip_hash, seq.tip_id = hits[-1].block_hash, hits[-1].entry_id
         self._seqs[seq_id] = seq
-        self._stats.prefix_queried_tokens += len(token_ids)
-        self._stats.prefix_hit_tokens += n
         return n
 
     def allocate_slots(self, seq_id: str, num_tokens: int) -> bool:
@@ -171,6 +174,10 @@ class KVCacheManager:
             self.pool.release(old)             # ref was > 1: the other holders keep it
         seq.blocks.extend(fresh[len(cow):])
         self._stats.cow_copies += len(cow)
+        if seq.pending_query is not None:
+            self._stats.prefix_queried_tokens += seq.pending_query[0]
+            self._stats.prefix_hit_tokens += seq.pending_query[1]
+            seq.pending_query = None
         return True
 
     def can_allocate(self, seq_id: str, num_tokens: int) -> bool:
@@ -221,7 +228,7 @@ class KVCacheManager:
         parent = self._get(parent_id)
         for block in parent.blocks:
             self.pool.touch(block)
-        self._seqs[child_id] = replace(parent, blocks=list(parent.blocks))
+        self._seqs[child_id] = replace(parent, blocks=list(parent.blocks), pending_query=None)
 
     def free(self, seq_id: str) -> None:
         """Release a sequence's blocks, tail first; unknown ids are a no-op."""

@@ -88,6 +88,9 @@ def test_full_and_partial_prefix_hits():
     assert m.lookup_prefix(prompt[:4]) == 0 and m.lookup_prefix([]) == 0
     st = m.stats()
     assert (st.prefix_queried_tokens, st.prefix_hit_tokens) == (30, 12)   # lookups do not count
+    assert m.acquire_prefix("d", prompt) == 8
+    m.free("d")                                         # admission undone before allocating:
+    assert m.stats() == st                              # the query is not counted
     m.check_integrity()
 
 

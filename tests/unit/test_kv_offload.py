@@ -84,8 +84,11 @@ def test_offload_then_swap_in_is_bit_identical_with_exact_ids():
     # a's entries moved back (tiers are exclusive); b's three evicted blocks went out in their place.
     assert [e.entry_id for e in host.entries.values()] == [7, 6, 5]
     s = m.stats()
-    assert (s.offload_in_blocks, s.offload_in_bytes, s.prefix_hit_tokens) == (3, 3 * st.block_bytes, 12)
-    assert (s.evictions, s.offload_out_blocks) == (6, 6)
+    assert (s.offload_in_blocks, s.offload_in_bytes, s.evictions, s.offload_out_blocks) == \
+        (3, 3 * st.block_bytes, 6, 6)
+    assert m.allocate_slots("a2", 13) and m.block_table("a2") == [0, 1, 2, 3]
+    s = m.stats()
+    assert (s.prefix_queried_tokens, s.prefix_hit_tokens) == (13 + 16 + 13, 12)
     m.check_integrity()
 
 
