@@ -265,3 +265,18 @@ def test_check_integrity_catches_corruption():
     m.pool.cached.pop(m.pool.blocks[1].block_hash)      # hash map loses a cached block
     with pytest.raises(AssertionError, match="hash map"):
         m.check_integrity()
+
+
+def test_fork_before_commit_adopts_the_entry_the_other_holder_cached():
+    m = make()
+    prompt = list(range(8))
+    assert m.acquire_prefix("a", prompt) == 0 and m.allocate_slots("a", 8)
+    m.fork("a", "b")                                    # KV written, not yet committed
+    m.commit("a", prompt, 8)
+    m.commit("b", prompt, 8)                            # same shared blocks: nothing re-cached
+    assert len(m.pool.cached) == 2 and refs(m)[:2] == [2, 2]
+    toks = prompt + [5, 5, 5, 5]
+    assert m.allocate_slots("b", 12)
+    m.commit("b", toks, 12)
+    assert m.lookup_prefix(toks + [0]) == 12
+    m.check_integrity()
