@@ -52,7 +52,9 @@ class TokenCounter:
                 self.tokenizer = PreTrainedTokenizerFast.from_pretrained(str(candidate))
                 break
         self._message = functools.lru_cache(maxsize=8192)(self._message_tokens)
-        self._generation_prompt = self._render_tokens([], add_generation_prompt=True)
+        probe = [{"role": "user", "content": "x"}]
+        self._generation_prompt = (self._render_tokens(probe, add_generation_prompt=True)
+                                   - self._render_tokens(probe, add_generation_prompt=False))
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -67,6 +69,8 @@ class TokenCounter:
         return text if len(ids) <= max_tokens else self.tokenizer.decode(ids[-max_tokens:])
 
     def _render_tokens(self, messages: list[dict], add_generation_prompt: bool) -> int:
+        if not messages:
+            return self._generation_prompt if add_generation_prompt else 0
         if self.tokenizer is None:
             return sum(4 + len(m["content"].encode()) // 3 for m in messages) + (
                 3 if add_generation_prompt else 0)
