@@ -1,0 +1,141 @@
+"""Batched sampling over one step's logits rows (one row per sampling sequence).
+
+Order (vLLM v1): raw logprobs -> penalties -> min_tokens mask -> greedy argmax, or
+temperature -> min-p -> top-k -> top-p -> exponential race.
+
+- Penalties follow OpenAI/vLLM: presence and frequency over the output tokens (``logit -=
+  presence * [count > 0] + frequency * count``), repetition over prompt + output (positive
+  logits divided by it, negative ones multiplied).
+- ``logprobs`` are those of the **raw** model distribution (log_softmax of the logits before
+  penalties, temperature and truncation): vLLM's default ``raw_logprobs`` mode, so a token's
+  logprob does not depend on sampling settings.
+- Sampling is an exponential race: argmax(p / q) with q ~ Exp(1) picks index i with
+  probability p_i. A seeded row draws q from its own CPU ``torch.Generator``, so the same seed
+  gives the same tokens whatever else is in the batch (and across preemption: only sampling
+  advances the generator).
+"""
+from __future__ import annotations
+
+import torch
+
+from backend.outputs import TokenLogprob
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, eos_token_ids: list[int], seed: int = 0):
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self.generator = torch.Generator().manual_seed(seed)   # unseeded requests
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, seqs: list) -> tuple[list[int], list[TokenLogprob | None]]:
+        """logits [R, V] fp32 (one row per sequence); returns token ids and logprobs per row."""
+        params = [s.params for s in seqs]
+        want_lp = any(p.logprobs is not None for p in params)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_lp else None
+        logits = self._penalize(logits, seqs)
+        logits = self._mask_min_tokens(logits, seqs)
+        greedy = [p.temperature == 0.0 for p in params]
+        if all(greedy):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, seqs, greedy)
+        token_list = tokens.tolist()
+        logprobs = self._logprobs(raw_logprobs, tokens, params) if want_lp else [None] * len(seqs)
+        return token_list, logprobs
+
+    # -- logits processors -----------------------------------------------------------------
+    def _penalize(self, logits: torch.Tensor, seqs: list) -> torch.Tensor:
+        rows = [i for i, s in enumerate(seqs) if s.params.presence_penalty or s.params.frequency_penalty
+                or s.params.repetition_penalty != 1.0]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        V = logits.shape[1]
+        for i in rows:
+            s, p = seqs[i], seqs[i].params
+            row = logits[i]
+            if p.repetition_penalty != 1.0:
+                seen = torch.zeros(V, dtype=torch.bool, device=row.device)
+                seen[torch.tensor(s.token_ids, device=row.device)] = True
+                rp = p.repetition_penalty
+                row[seen] = torch.where(row[seen] > 0, row[seen] / rp, row[seen] * rp)
+            if (p.presence_penalty or p.frequency_penalty) and s.num_output_tokens:
+                out = torch.tensor(s.output_ids, device=row.device)
+                counts = torch.bincount(out, minlength=V)[:V].to(row.dtype)
+                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+        return logits
+
+    def _mask_min_tokens(self, logits: torch.Tensor, seqs: list) -> torch.Tensor:
+        rows = [i for i, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        for i in rows:
+            p = seqs[i].params
+            stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
+            stop_ids = [t for t in stop_ids if t < logits.shape[1]]
+            if stop_ids:
+                logits[i, stop_ids] = float("-inf")
+        return logits
+
+    # -- sampling --------------------------------------------------------------------------
+    def _sample(self, logits: torch.Tensor, seqs: list, greedy: list[bool]) -> torch.Tensor:
+        device = logits.device
+        params = [s.params for s in seqs]
+        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
+                             device=device, dtype=logits.dtype)
+        x = logits / temps[:, None]
+        if any(p.min_p > 0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], device=device, dtype=x.dtype)
+            probs = torch.softmax(x, dim=-1)
+            thresh = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+            x = x.masked_fill(probs < thresh, float("-inf"))
+        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+            x = self._top_k_top_p(x, params)
+        probs = torch.softmax(x, dim=-1)
+        q = torch.empty_like(probs)
+        seeded = [i for i, s in enumerate(seqs) if s.generator is not None]
+        if len(seeded) < len(seqs):
+            q.exponential_(generator=self.generator) if device.type == "cpu" else q.exponential_()
+        for i in seeded:
+            row = torch.empty(probs.shape[1]).exponential_(generator=seqs[i].generator)
+            q[i] = row.to(device)
+        sampled = (probs / q.clamp_min_(1e-20)).argmax(dim=-1)
+        if any(greedy):
+            mask = torch.tensor(greedy, device=device)
+            sampled = torch.where(mask, logits.argmax(dim=-1), sampled)
+        return sampled
+
+    @staticmethod
+    def _top_k_top_p(x: torch.Tensor, params: list) -> torch.Tensor:
+        R, V = x.shape
+        sorted_x, idx = x.sort(dim=-1)                        # ascending
+        k = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in params], device=x.device)
+        kth = sorted_x.gather(1, (V - k)[:, None])            # the k-th largest value per row
+        sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
+        top_p = torch.tensor([p.top_p for p in params], device=x.device, dtype=x.dtype)
+        if bool((top_p < 1.0).any()):
+            cum = torch.softmax(sorted_x, dim=-1).cumsum(dim=-1)
+            drop = cum <= (1.0 - top_p)[:, None]               # the low tail outside top-p mass
+            drop[:, -1] = False                                # always keep the best token
+            sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+        return torch.empty_like(x).scatter_(1, idx, sorted_x)
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, params: list) -> list[TokenLogprob | None]:
+        chosen = raw.gather(1, tokens[:, None]).squeeze(1).tolist()
+        k = max(p.logprobs or 0 for p in params)
+        top_vals = top_ids = None
+        if k > 0:
+            vals, ids = raw.topk(k, dim=-1)
+            top_vals, top_ids = vals.tolist(), ids.tolist()
+        out: list[TokenLogprob | None] = []
+        tok = tokens.tolist()
+        for i, p in enumerate(params):
+            if p.logprobs is None:
+                out.append(None)
+                continue
+            top = list(zip(top_ids[i][:p.logprobs], top_vals[i][:p.logprobs])) if p.logprobs else []
+            out.append(TokenLogprob(token_id=tok[i], logprob=chosen[i], top=top))
+        return out

@@ -1,0 +1,154 @@
+"""Iteration-level scheduler: one token budget per step, chunked prefill, preemption.
+
+The one rule (as in vLLM v1): every scheduled sequence's ``num_computed_tokens`` catches up with
+its ``num_tokens`` under a shared per-step budget of ``max_num_batched_tokens``. A decode costs one
+token; a prompt costs as many tokens as the budget has left, so a long prompt is split across
+steps (chunked prefill) while running streams keep decoding. There are no prefill/decode phases.
+
+Order of a step:
+  1. running sequences, highest priority first (priority, then arrival). When the KV pool is
+     full, the lowest-priority, latest-arrived running sequence is preempted (blocks freed,
+     recomputed later from its tokens, so its output does not change) until the allocation fits.
+  2. waiting sequences by (priority, arrival), only if nothing was preempted: first time, attach
+     cached prefix blocks; stop at the first one that does not fit (no overtaking). A waiting
+     sequence may preempt a running one of strictly lower priority.
+
+The scheduler never touches the block pool: it asks the KV manager for room and gets yes/no.
+"""
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass, field
+
+from backend.engine.sequence import SeqStatus, Sequence
+
+
+@dataclass
+class SchedulerOutput:
+    """What runs this step: each sequence with its chunk [num_computed_tokens, + num_new)."""
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    new_requests: list = field(default_factory=list)      # Requests scheduled for the first time
+    num_batched_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(self, kv, *, max_num_seqs: int, max_num_batched_tokens: int):
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.running: dict[Sequence, None] = {}   # insertion-ordered set, O(1) removal
+        self._waiting: list[Sequence] = []         # heap; finished entries are dropped lazily
+        self.num_waiting = 0
+        self.num_preemptions = 0
+
+    # -- queue operations ------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        heapq.heappush(self._waiting, seq)
+        self.num_waiting += 1
+
+    def add_running(self, seq: Sequence) -> None:
+        """A forked choice whose KV already exists (shared with its parent)."""
+        seq.status = SeqStatus.RUNNING
+        self.running[seq] = None
+
+    def finish(self, seq: Sequence) -> None:
+        """Finish, abort or expire a sequence in any state; its blocks are free on return."""
+        if seq.status is SeqStatus.RUNNING:
+            del self.running[seq]
+            self.kv.free(seq.seq_id)
+        elif seq.status is SeqStatus.WAITING:
+            self.num_waiting -= 1               # its heap entry is skipped when it surfaces
+        seq.status = SeqStatus.FINISHED
+
+    def _peek_waiting(self) -> Sequence | None:
+        while self._waiting and self._waiting[0].status is not SeqStatus.WAITING:
+            heapq.heappop(self._waiting)
+        return self._waiting[0] if self._waiting else None
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        del self.running[seq]
+        self.kv.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+        self.add(seq)          # keeps its arrival time, so it comes back before later arrivals
+
+    # -- the step --------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        order = sorted(self.running, key=lambda s: s.sort_key)
+        self.running = dict.fromkeys(order)
+        lo = 0                                 # order[lo:hi] still to visit; victims from hi-1
+        hi = len(order)
+        while lo < hi and budget > 0:
+            seq = order[lo]
+            lo += 1
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens + num_new):
+                if lo < hi:
+                    hi -= 1
+                    self._preempt(order[hi], out)
+                else:
+                    self._preempt(seq, out)
+                    seq = None
+                    break
+            if seq is None:
+                break
+            out.scheduled.append((seq, num_new))
+            budget -= num_new
+        if not out.preempted:
+            budget = self._admit_waiting(out, budget)
+        out.num_batched_tokens = self.max_num_batched_tokens - budget
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        now = time.monotonic()
+        while budget > 0:
+            seq = self._peek_waiting()
+            if seq is None:
+                break
+            req = seq.request
+            # An unforked request becomes n sequences after its prompt: reserve their seats.
+            seats = 1 if req.forked else req.params.n
+            if len(self.running) + seats > self.max_num_seqs:
+                break
+            cached = self.kv.acquire_prefix(seq.seq_id, seq.token_ids, req.salt)
+            if cached is None:
+                break
+            num_new = min(seq.num_tokens - cached, budget)
+            while not self.kv.allocate_slots(seq.seq_id, cached + num_new):
+                if not self._preempt_lower_priority(seq, out):
+                    self.kv.free(seq.seq_id)        # undo the prefix attach
+                    return budget
+                budget = self.max_num_batched_tokens - sum(n for _, n in out.scheduled)
+                num_new = min(seq.num_tokens - cached, budget)
+                if num_new <= 0:
+                    self.kv.free(seq.seq_id)
+                    return budget
+            heapq.heappop(self._waiting)
+            self.num_waiting -= 1
+            seq.status = SeqStatus.RUNNING
+            seq.num_computed_tokens = cached
+            self.running[seq] = None
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+                req.num_cached_tokens = cached
+                out.new_requests.append(req)
+            out.scheduled.append((seq, num_new))
+            budget -= num_new
+        return budget
+
+    def _preempt_lower_priority(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Make room for a waiting sequence by preempting a running one of lower priority."""
+        victims = [s for s in self.running if s.sort_key[0] > seq.sort_key[0]]
+        if not victims:
+            return False
+        victim = max(victims, key=lambda s: s.sort_key)
+        out.scheduled = [(s, n) for s, n in out.scheduled if s is not victim]
+        self._preempt(victim, out)
+        return True

@@ -1,0 +1,125 @@
+"""Request and sequence state.
+
+A :class:`Request` is what a client submitted; it owns one :class:`Sequence` per choice. Until its
+prompt is computed a request has a single sequence (choice 0); with ``n > 1`` the engine forks the
+other choices from it once the prompt's KV exists, so they share the prompt's blocks.
+
+Token bookkeeping of one sequence::
+
+    token_ids:  [ prompt ........................ | output ............... ]
+                 ^0                               ^num_prompt_tokens       ^num_tokens
+    KV exists for token_ids[:num_computed_tokens]; the scheduler catches it up to num_tokens,
+    and the step whose chunk reaches num_tokens samples the next token.
+
+    output:     [ sent ........ | ready ..... | held ....... ]
+                  ^0            ^num_sent     ^num_ready      ^num_output_tokens
+    sent = streamed in a delta; ready = known not to begin a stop string; held = could still
+    turn out to be (part of) a stop string, so not streamed yet.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+
+import torch
+
+from backend.outputs import TokenLogprob
+from backend.sampling_params import SamplingParams
+
+_request_counter = itertools.count()
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    """One client request: prompt, settings, admission metadata, timing, its choices."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                 max_tokens: int, stream: bool, salt: str | None, priority: int,
+                 deadline: float | None, arrival_time: float):
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.max_tokens = max_tokens              # resolved: never None
+        self.stream = stream
+        self.salt = salt
+        self.priority = priority                  # lower = sooner
+        self.deadline = deadline                  # time.monotonic() seconds, or None
+        self.arrival_time = arrival_time
+        self.order = next(_request_counter)       # tie-break for equal arrival times
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.num_cached_tokens = 0                # prefix-cache hit at the first schedule
+        self.forked = params.n == 1
+        self.seqs: list[Sequence] = [Sequence(self, 0)]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.status is SeqStatus.FINISHED for s in self.seqs)
+
+    @property
+    def queue_time(self) -> float:
+        if self.first_scheduled_time is None:
+            return 0.0
+        return self.first_scheduled_time - self.arrival_time
+
+
+class Sequence:
+    """One choice of a request: its tokens, KV progress, sampling and streaming state."""
+
+    def __init__(self, request: Request, index: int, token_ids: list[int] | None = None):
+        self.request = request
+        self.index = index
+        self.seq_id = f"{request.request_id}#{index}"       # key in the KV manager
+        self.params = request.params
+        self.token_ids = list(request.prompt_token_ids if token_ids is None else token_ids)
+        self.num_prompt_tokens = len(request.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.high_water = 0        # most tokens ever computed (recomputation after preemption)
+        self.status = SeqStatus.WAITING
+        self.sort_key = (request.priority, request.arrival_time, request.order, index)
+        self.num_preemptions = 0
+        seed = request.params.seed
+        self.generator: torch.Generator | None = None
+        if seed is not None:
+            # Choices get seed, seed + 1, ...: reproducible and distinct from each other.
+            self.generator = torch.Generator().manual_seed((seed + index) % (1 << 63))
+        self.logprobs: list[TokenLogprob] = []
+        self.num_sent = 0
+        self.num_ready = 0
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.stop_at = -1          # char offset of a matched stop string in the ready..end text
+        self.cut_last_token = False  # finished on a stop token whose text must not be shown
+
+    def __lt__(self, other: "Sequence") -> bool:     # heap order: priority, then arrival
+        return self.sort_key < other.sort_key
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def output_slice(self, start: int, end: int | None = None) -> list[int]:
+        """Output tokens [start, end) without copying the whole output."""
+        p = self.num_prompt_tokens
+        return self.token_ids[p + start:] if end is None else self.token_ids[p + start:p + end]
+
+    def fork(self, index: int) -> "Sequence":
+        """A sibling choice with the same prompt and no output yet (sampled in the same step)."""
+        return Sequence(self.request, index)
