@@ -1,0 +1,1 @@
+"""Serving: the plain-Python halves of the Triton models and the tritonserver launcher."""

@@ -1,0 +1,98 @@
+"""The plain-Python half of the ``preprocessing`` model: prompt or chat messages -> token ids.
+
+Chat messages go through the checkpoint's own chat template with the generation prompt appended,
+exactly as ``AutoTokenizer.apply_chat_template(messages, add_generation_prompt=True)`` does, so the
+server and offline code see the same ids. Everything a client can get wrong is rejected here with a
+tagged ``[invalid_request param=...]`` message.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+
+from backend.serving.errors import invalid_request
+from backend.serving.request_params import RequestSettings, fit_context, request_settings
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def load_tokenizer(model_dir: str | pathlib.Path):
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(str(model_dir))
+
+
+def model_max_len(model_dir: str | pathlib.Path, override: int | None = None) -> int:
+    """The context window: an explicit max_model_len, else config.json's max_position_embeddings."""
+    if override:
+        return int(override)
+    cfg = json.loads((pathlib.Path(model_dir) / "config.json").read_text())
+    return int(cfg.get("max_position_embeddings") or 2048)
+
+
+def parse_messages(raw: str) -> list[dict]:
+    """OpenAI chat messages (JSON) -> [{"role", "content"}] with text content."""
+    if not raw or not raw.strip():
+        raise invalid_request("messages", "messages is empty")
+    try:
+        messages = json.loads(raw)
+    except ValueError as exc:
+        raise invalid_request("messages", f"messages is not valid JSON: {exc}") from None
+    if not isinstance(messages, list) or not messages:
+        raise invalid_request("messages", "messages must be a non-empty JSON list of {role, content} objects")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise invalid_request("messages", f"messages[{i}] must be an object with role and content")
+        role = m.get("role")
+        if role not in ROLES:
+            raise invalid_request("messages", f"messages[{i}].role must be one of {list(ROLES)}, got {role!r}")
+        out.append({"role": role, "content": _content_text(m.get("content"), i, role)})
+    return out
+
+
+def _content_text(content, i: int, role: str) -> str:
+    if content is None and role == "assistant":
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise invalid_request("messages", f"messages[{i}].content[{j}] must be a text part "
+                                                  '{"type": "text", "text": ...}')
+            parts.append(part["text"])
+        return "".join(parts)
+    raise invalid_request("messages", f"messages[{i}].content must be a string or a list of text parts")
+
+
+class Preprocessor:
+    def __init__(self, model_dir: str | pathlib.Path, max_model_len: int | None = None) -> None:
+        self.tokenizer = load_tokenizer(model_dir)
+        self.max_model_len = model_max_len(model_dir, max_model_len)
+
+    def encode_messages(self, messages: list[dict]) -> list[int]:
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                     return_dict=False)
+        except Exception as exc:           # the template's own raise_exception (e.g. role order)
+            raise invalid_request("messages", f"the chat template rejected the messages: {exc}") from None
+        return [int(t) for t in ids]
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return [int(t) for t in self.tokenizer.encode(text)]
+
+    def __call__(self, text_input: str | None, messages: str | None, params: dict) -> tuple[list[int], RequestSettings]:
+        """Token ids for one request, and its validated settings; raises RequestError."""
+        settings = request_settings(params)
+        if (text_input is None) == (messages is None):
+            raise invalid_request("text_input", "give exactly one of text_input (a prompt) or messages (chat JSON)")
+        if messages is not None:
+            ids, param = self.encode_messages(parse_messages(messages)), "messages"
+        else:
+            if not text_input:
+                raise invalid_request("text_input", "the prompt is empty")
+            ids, param = self.encode_prompt(text_input), "text_input"
+        fit_context(settings, len(ids), self.max_model_len, param)
+        return ids, settings

@@ -1,0 +1,110 @@
+"""Generate a runnable model repository from the ``model_repository/`` templates.
+
+Each template ``config.pbtxt`` declares every parameter it understands with a default, e.g.::
+
+    parameters: { key: "model_dir" value: { string_value: "" } }
+
+Generating fills ``model_dir`` in every model that declares it, writes engine options into the
+``engine`` model's parameters (an option the template does not declare is an error, so a typo in
+``--engine-option`` fails here rather than being ignored) and optionally changes instance counts.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import shutil
+from dataclasses import fields
+
+from backend.config import EngineArgs
+
+TEMPLATES = pathlib.Path(__file__).resolve().parents[2] / "model_repository"
+ENGINE_MODEL = "engine"
+
+
+def _param_pattern(key: str) -> re.Pattern:
+    return re.compile(r'(key:\s*"' + re.escape(key) + r'"\s*,?\s*value:\s*\{\s*string_value:\s*)"(?:[^"\\]|\\.)*"')
+
+
+def declared_parameters(pbtxt: str) -> dict[str, str]:
+    """The ``parameters`` of a config.pbtxt as key -> string value."""
+    found = re.findall(r'key:\s*"([^"]+)"\s*,?\s*value:\s*\{\s*string_value:\s*"((?:[^"\\]|\\.)*)"', pbtxt)
+    return {k: json.loads(f'"{v}"') for k, v in found}
+
+
+def set_parameter(pbtxt: str, key: str, value: str) -> str:
+    """Replace the string value of a declared parameter; KeyError when it is not declared."""
+    pattern = _param_pattern(key)
+    if not pattern.search(pbtxt):
+        raise KeyError(key)
+    quoted = json.dumps(str(value), ensure_ascii=False)
+    return pattern.sub(lambda m: m.group(1) + quoted, pbtxt, count=1)
+
+
+def set_instance_count(pbtxt: str, count: int) -> str:
+    if count < 1:
+        raise ValueError(f"instance count must be >= 1, got {count}")
+    new, n = re.subn(r"(instance_group\s*\[\s*\{[^}]*?count:\s*)\d+", lambda m: m.group(1) + str(count), pbtxt)
+    if n == 0:
+        raise ValueError("config has no instance_group count to change")
+    return new
+
+
+def parse_engine_options(items: list[str] | dict[str, str] | None) -> dict[str, str]:
+    """``KEY=VALUE`` strings (or a dict) -> validated engine options (ValueError on a bad one)."""
+    if not items:
+        return {}
+    if isinstance(items, dict):
+        opts = {str(k): str(v) for k, v in items.items()}
+    else:
+        opts = {}
+        for item in items:
+            key, sep, value = item.partition("=")
+            if not sep or not key.strip():
+                raise ValueError(f"engine option {item!r} is not KEY=VALUE")
+            opts[key.strip()] = value.strip()
+    known = {f.name for f in fields(EngineArgs)}
+    for key in opts:
+        if key not in known:
+            raise ValueError(f"unknown engine option {key!r}; known: {', '.join(sorted(known))}")
+    try:
+        EngineArgs.from_dict(opts)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"bad engine option: {exc}") from None
+    return opts
+
+
+def generate_repository(dst: pathlib.Path, model_dir: str | pathlib.Path, *,
+                        engine_options: dict[str, str] | None = None,
+                        models: list[str] | None = None,
+                        instances: dict[str, int] | None = None,
+                        src: pathlib.Path = TEMPLATES) -> pathlib.Path:
+    """Write the model repository for ``model_dir`` into ``dst`` (replacing what was there)."""
+    src = pathlib.Path(src)
+    available = sorted(p.name for p in src.iterdir() if (p / "config.pbtxt").exists())
+    models = available if models is None else list(models)
+    missing = [m for m in models if m not in available]
+    if missing:
+        raise ValueError(f"no such model template(s) {missing} in {src} (have {available})")
+    engine_options = dict(engine_options or {})
+    if dst.exists():
+        shutil.rmtree(dst)
+    dst.mkdir(parents=True)
+    for name in models:
+        shutil.copytree(src / name, dst / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        cfg_path = dst / name / "config.pbtxt"
+        cfg = cfg_path.read_text()
+        if "model_dir" in declared_parameters(cfg):
+            cfg = set_parameter(cfg, "model_dir", str(pathlib.Path(model_dir).resolve()))
+        if engine_options.get("max_model_len") and "max_model_len" in declared_parameters(cfg):
+            cfg = set_parameter(cfg, "max_model_len", engine_options["max_model_len"])
+        if name == ENGINE_MODEL:
+            for key, value in engine_options.items():
+                try:
+                    cfg = set_parameter(cfg, key, value)
+                except KeyError:
+                    raise ValueError(f"engine option {key!r} is not declared in {src / name / 'config.pbtxt'}") from None
+        if instances and name in instances:
+            cfg = set_instance_count(cfg, instances[name])
+        cfg_path.write_text(cfg)
+    return dst

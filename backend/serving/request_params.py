@@ -1,0 +1,189 @@
+"""Request parameters (tritonclient ``parameters=``) -> validated generation settings.
+
+Triton hands a request's parameters to the Python backend as a JSON object whose values are strings,
+integers, floats or booleans. Names are OpenAI's; lists (``stop``, ``stop_token_ids``) come as JSON
+strings. Every step of the ``llm`` ensemble sees the same parameters, so preprocessing rejects a bad
+value before the engine ever sees the request, and the engine (called directly) checks them again.
+Unknown parameters are ignored, like unknown fields of an OpenAI request.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+from backend.sampling_params import SamplingParams
+from backend.serving.errors import invalid_request, tagged
+
+INT_PARAMS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "top_logprobs", "priority")
+FLOAT_PARAMS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                "repetition_penalty", "timeout")
+BOOL_PARAMS = ("stream", "ignore_eos", "skip_special_tokens")
+LIST_PARAMS = ("stop", "stop_token_ids")
+SAMPLING_FIELDS = ("n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
+                   "presence_penalty", "frequency_penalty", "repetition_penalty", "stop",
+                   "stop_token_ids", "ignore_eos", "skip_special_tokens")
+MAX_TIMEOUT = 24 * 3600.0
+
+
+@dataclass
+class RequestSettings:
+    sampling: SamplingParams
+    stream: bool = True
+    max_tokens_given: bool = False      # False: max_tokens is the default and may be shortened to fit
+    tenant: str | None = None
+    priority: int = 0
+    timeout: float | None = None        # seconds from arrival
+    extra: dict = field(default_factory=dict)
+
+
+def parse_parameters(raw: str | dict | None) -> dict:
+    """``request.parameters()`` (a JSON string) -> dict."""
+    if raw is None or raw == "":
+        return {}
+    if isinstance(raw, dict):
+        return dict(raw)
+    try:
+        value = json.loads(raw)
+    except ValueError as exc:
+        raise invalid_request("parameters", f"request parameters are not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise invalid_request("parameters", "request parameters must be a JSON object")
+    return value
+
+
+def _as_int(name: str, v) -> int:
+    if isinstance(v, bool):
+        raise invalid_request(name, f"{name} must be an integer, got {v!r}")
+    if isinstance(v, int):
+        return v
+    if isinstance(v, float) and math.isfinite(v) and v == int(v):
+        return int(v)
+    if isinstance(v, str):
+        try:
+            return int(v.strip())
+        except ValueError:
+            pass
+    raise invalid_request(name, f"{name} must be an integer, got {v!r}")
+
+
+def _as_float(name: str, v) -> float:
+    if isinstance(v, bool):
+        raise invalid_request(name, f"{name} must be a number, got {v!r}")
+    if isinstance(v, (int, float)):
+        f = float(v)
+    else:
+        try:
+            f = float(str(v).strip())
+        except ValueError:
+            raise invalid_request(name, f"{name} must be a number, got {v!r}") from None
+    if not math.isfinite(f):
+        raise invalid_request(name, f"{name} must be a finite number, got {v!r}")
+    return f
+
+
+def _as_bool(name: str, v) -> bool:
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, int) and v in (0, 1):
+        return bool(v)
+    if isinstance(v, str) and v.strip().lower() in ("true", "1", "yes", "false", "0", "no"):
+        return v.strip().lower() in ("true", "1", "yes")
+    raise invalid_request(name, f"{name} must be a boolean, got {v!r}")
+
+
+def _as_list(name: str, v) -> list:
+    if isinstance(v, list):
+        return v
+    if isinstance(v, str):
+        try:
+            parsed = json.loads(v)
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, list):
+            return parsed
+        if name == "stop":              # a single stop string given as is
+            return [v] if v else []
+        if isinstance(parsed, int) and not isinstance(parsed, bool):
+            return [parsed]
+    if isinstance(v, int) and not isinstance(v, bool) and name == "stop_token_ids":
+        return [v]
+    raise invalid_request(name, f"{name} must be a JSON list, got {v!r}")
+
+
+def _logprobs(params: dict) -> int | None:
+    """OpenAI chat: ``logprobs`` bool + ``top_logprobs`` int; also accepted: ``logprobs`` = int."""
+    v = params.get("logprobs")
+    top = params.get("top_logprobs")
+    if v is None or v == "":
+        return None if top is None else _as_int("top_logprobs", top)
+    if isinstance(v, bool) or (isinstance(v, str) and v.strip().lower() in ("true", "false")):
+        if not _as_bool("logprobs", v):
+            return None
+        return 0 if top is None else _as_int("top_logprobs", top)
+    return _as_int("logprobs", v)
+
+
+def request_settings(params: dict) -> RequestSettings:
+    """Validate parameters; raises RequestError tagged ``[invalid_request param=<name>]``."""
+    p = {k: v for k, v in params.items() if v is not None}
+    if "max_tokens" not in p and "max_completion_tokens" in p:
+        p["max_tokens"] = p["max_completion_tokens"]
+    kwargs: dict = {}
+    for name in SAMPLING_FIELDS:
+        if name not in p:
+            continue
+        v = p[name]
+        if name in INT_PARAMS:
+            kwargs[name] = _as_int(name, v)
+        elif name in FLOAT_PARAMS:
+            kwargs[name] = _as_float(name, v)
+        elif name in BOOL_PARAMS:
+            kwargs[name] = _as_bool(name, v)
+        else:
+            kwargs[name] = _as_list(name, v)
+    kwargs["logprobs"] = _logprobs(p)
+    try:
+        sampling = SamplingParams(**kwargs)
+    except (ValueError, TypeError) as exc:
+        raise tagged(ValueError(str(exc))) from None
+    timeout = None
+    if "timeout" in p:
+        timeout = _as_float("timeout", p["timeout"])
+        if not 0 < timeout <= MAX_TIMEOUT:
+            raise invalid_request("timeout", f"timeout must be in (0, {MAX_TIMEOUT:.0f}] seconds, got {timeout}")
+    tenant = p.get("tenant")
+    if tenant is not None and not isinstance(tenant, str):
+        tenant = str(tenant)
+    return RequestSettings(
+        sampling=sampling,
+        stream=_as_bool("stream", p["stream"]) if "stream" in p else True,
+        max_tokens_given="max_tokens" in p,
+        tenant=tenant or None,
+        priority=_as_int("priority", p["priority"]) if "priority" in p else 0,
+        timeout=timeout,
+    )
+
+
+def fit_context(settings: RequestSettings, prompt_len: int, max_model_len: int, param: str) -> None:
+    """Reject prompts that leave no room to generate; shorten a default max_tokens to fit.
+
+    An explicit max_tokens that does not fit is an error (as in the OpenAI API) rather than a
+    silently shorter answer.
+    """
+    if prompt_len < 1:
+        raise invalid_request(param, "the prompt is empty")
+    if prompt_len >= max_model_len:
+        raise invalid_request(param, f"the prompt has {prompt_len} tokens but the context window is "
+                                     f"{max_model_len} tokens (at least one must be left to generate)")
+    room = max_model_len - prompt_len
+    sp = settings.sampling
+    if sp.max_tokens is None:
+        sp.max_tokens = room
+    elif sp.max_tokens > room:
+        if settings.max_tokens_given:
+            raise invalid_request("max_tokens", f"max_tokens {sp.max_tokens} plus the prompt's {prompt_len} "
+                                                f"tokens exceed the context window of {max_model_len} tokens")
+        sp.max_tokens = room
+    if sp.min_tokens > sp.max_tokens:
+        raise invalid_request("min_tokens", f"min_tokens {sp.min_tokens} exceeds max_tokens {sp.max_tokens}")

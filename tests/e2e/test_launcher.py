@@ -1,0 +1,49 @@
+"""The launcher fails fast and clearly when a model cannot load, and leaves no processes behind."""
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+import pytest
+
+from backend.serving.launcher import ServerStartError, TritonServer
+from backend.serving.repository import TEMPLATES
+from tests.conftest import model_dir
+
+pytestmark = pytest.mark.e2e
+
+
+def test_missing_checkpoint_fails_fast_with_reason(tmp_path):
+    t0 = time.monotonic()
+    with pytest.raises(ServerStartError) as info:
+        TritonServer(tmp_path / "no-such-model", models=["preprocessing"], quiet=True).start()
+    assert time.monotonic() - t0 < 60
+    msg = str(info.value)
+    assert "exited" in msg and "not a checkpoint directory" in msg
+
+
+def test_broken_config_fails_fast_with_reason(tmp_path):
+    src = tmp_path / "templates"
+    shutil.copytree(TEMPLATES / "preprocessing", src / "preprocessing")
+    cfg = src / "preprocessing" / "config.pbtxt"
+    cfg.write_text(cfg.read_text().replace("TYPE_INT32", "TYPE_NOT_A_TYPE"))
+    t0 = time.monotonic()
+    server = TritonServer(model_dir("tiny"), repository_src=src, quiet=True)
+    with pytest.raises(ServerStartError) as info:
+        server.start()
+    assert time.monotonic() - t0 < 60
+    assert "TYPE_NOT_A_TYPE" in str(info.value)
+
+
+def test_stop_leaves_no_processes():
+    server = TritonServer(model_dir("tiny"), models=["preprocessing"], quiet=True).start()
+    pgid = server.proc.pid
+    server.stop()
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pgid, 0)
+
+
+def test_unknown_engine_option_rejected_before_start():
+    with pytest.raises(ValueError, match="unknown engine option 'blok_size'"):
+        TritonServer(model_dir("tiny"), engine_options=["blok_size=16"])
