@@ -12,8 +12,8 @@ from .device import interpreted, triton_available
 from .reference import paged_attention_ref, store_kv_cache_ref
 
 try:
-    from .paged_attention import paged_attention
-    from .store_kv import store_kv_cache
+    from .attention import paged_attention
+    from .kv_store import store_kv_cache
 except ImportError:  # triton missing: only the references exist
     def _no_triton(*_args, **_kwargs):
         raise RuntimeError("triton is not installed; use kernels.reference")

@@ -20,15 +20,12 @@ second kernel merges the slices (split-KV / flash-decoding for few, long decodes
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
 from .device import check_device, interpreted, num_sms
-
-_LOG2E = 1.4426950408889634
+from .launch import LOG2E, plan_attention
 
 
 @triton.jit
@@ -197,30 +194,6 @@ def _merge_splits_kernel(
     tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & (d < HEAD_DIM)[None, :])
 
 
-def _pick_blocks(num_tokens: int, num_seqs: int, g_pad: int, head_dim_pad: int):
-    """(BLOCK_M, TILE, num_warps) for this batch on this device."""
-    if interpreted():
-        return max(64, g_pad), 128, 1
-    decode_only = num_tokens == num_seqs
-    block_m = max(16 if decode_only else 64, g_pad)
-    tile = 64 if head_dim_pad <= 128 else 32
-    return block_m, tile, 4
-
-
-def _auto_splits(num_q_blocks: int, num_kv_heads: int, decode_only: bool, max_len: int,
-                 tile: int, device: torch.device) -> int:
-    """Split the keys only when decodes alone cannot fill the GPU and contexts are long."""
-    if interpreted() or not decode_only:
-        return 1
-    programs = num_q_blocks * num_kv_heads
-    target = 2 * num_sms(device.index or 0)
-    tiles = triton.cdiv(max_len, tile)
-    if programs >= target or tiles < 8:
-        return 1
-    want = min(triton.cdiv(target, programs), tiles // 4, 16)
-    return 1 << (want.bit_length() - 1)          # power of two: few kernel variants
-
-
 def paged_attention(*,
                     query: torch.Tensor,          # [num_tokens, num_q_heads, head_dim]
                     k_cache: torch.Tensor,        # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -250,45 +223,31 @@ def paged_attention(*,
     if num_tokens == 0 or num_seqs == 0:
         return out
 
-    g = num_q_heads // num_kv_heads
-    g_pad = triton.next_power_of_2(g)
-    d_pad = max(16, triton.next_power_of_2(head_dim))
-    block_m, tile, num_warps = _pick_blocks(num_tokens, num_seqs, g_pad, d_pad)
-    block_q = block_m // g_pad
-    num_q_blocks = num_tokens // block_q + num_seqs
-    if num_kv_splits is None:
-        max_len = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
-        num_kv_splits = _auto_splits(num_q_blocks, num_kv_heads, num_tokens == num_seqs, max_len,
-                                     tile, query.device)
-    assert num_kv_splits >= 1, num_kv_splits
-
-    if num_kv_splits > 1:
-        part_out = torch.empty(num_tokens, num_q_heads, num_kv_splits, d_pad,
+    interpret = interpreted()
+    plan = plan_attention(
+        dtype=query.dtype, num_tokens=num_tokens, num_seqs=num_seqs, num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
+        max_len=max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size,
+        num_kv_splits=num_kv_splits, interpret=interpret,
+        num_sms=1 if interpret else num_sms(query.device.index or 0))
+    if plan.num_splits > 1:
+        part_out = torch.empty(num_tokens, num_q_heads, plan.num_splits, plan.head_dim_pad,
                                dtype=torch.float32, device=query.device)
-        part_lse = torch.empty(num_tokens, num_q_heads, num_kv_splits,
+        part_lse = torch.empty(num_tokens, num_q_heads, plan.num_splits,
                                dtype=torch.float32, device=query.device)
     else:
         part_out = part_lse = out       # unused
-    upcast = interpreted()
-    precision = "ieee" if query.dtype == torch.float32 else "tf32"
-    _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_kv_splits)](
+    _paged_attention_kernel[plan.grid](
         query, k_cache, v_cache, out, part_out, part_lse,
         block_tables, cu_seqlens_q, seq_lens,
-        scale * _LOG2E, num_seqs, block_tables.shape[1],
+        scale * LOG2E, num_seqs, block_tables.shape[1],
         *query.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(),
         block_tables.stride(0),
-        G=g, G_PAD=g_pad, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad,
-        BLOCK_Q=block_q, BLOCK_M=block_m, TILE=tile, NUM_SPLITS=num_kv_splits,
-        UPCAST=upcast, DOT_PRECISION=precision,
-        num_warps=num_warps, num_stages=1 if upcast else 2,
+        **plan.constexprs, num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
-    if num_kv_splits > 1:
-        splits_pad = triton.next_power_of_2(num_kv_splits)
-        budget = 65536 if upcast else 4096
-        block_h = min(triton.next_power_of_2(num_q_heads), max(1, budget // (splits_pad * d_pad)))
-        _merge_splits_kernel[(num_tokens, triton.cdiv(num_q_heads, block_h))](
+    if plan.num_splits > 1:
+        _merge_splits_kernel[plan.merge_grid](
             out, part_out, part_lse, num_q_heads, *out.stride(),
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, NUM_SPLITS=num_kv_splits,
-            SPLITS_PAD=splits_pad, BLOCK_H=block_h, num_warps=4,
+            **plan.merge_constexprs, num_warps=4,
         )
     return out

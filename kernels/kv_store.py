@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from .device import check_device, interpreted
+from .launch import plan_store
 
 
 @triton.jit
@@ -76,16 +77,11 @@ def store_kv_cache(*,
     assert slot_mapping.shape == (num_tokens,), slot_mapping.shape
     if num_tokens == 0:
         return
-    num_hd = num_kv_heads * head_dim
-    block_hd = triton.next_power_of_2(num_hd)
-    if interpreted():
-        block_t = max(1, min(64, 16384 // block_hd))
-    else:
-        block_t = max(1, min(16, 4096 // block_hd))
-    grid = (triton.cdiv(num_tokens, block_t),)
+    grid, constexprs = plan_store(num_tokens=num_tokens, num_kv_heads=num_kv_heads,
+                                  head_dim=head_dim, block_size=k_cache.shape[1],
+                                  interpret=interpreted())
     _store_kv_kernel[grid](
         key, value, k_cache, v_cache, slot_mapping, num_tokens,
         *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
-        BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, NUM_HD=num_hd,
-        BLOCK_T=block_t, BLOCK_HD=block_hd,
+        **constexprs,
     )
