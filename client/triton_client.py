@@ -1,0 +1,272 @@
+"""Asyncio gRPC streaming client for the ``llm`` ensemble (text) and the ``engine`` model (token ids).
+
+    client = TritonLLMClient("127.0.0.1:8001")
+    async for chunk in client.generate(prompt="Hello", params={"max_tokens": 32}):
+        print(chunk.text, end="")
+
+One gRPC stream per request. The stream is over when every choice (``n``) has a finish reason; an
+error response ends it too (inside an ensemble no FINAL follows an error, so nothing waits for one).
+
+Stopping early -- the consumer breaks, is cancelled, or the request failed after admission -- does
+two things, neither of which awaits, so they also run inside an already-cancelled task:
+
+    1. cancel the gRPC stream (reaches the engine when it is called directly), and
+    2. spawn an explicit abort: a request to model ``engine`` with parameter
+       ``abort_request_id=<id>`` and no inputs, because a stream cancel does not reach a
+       decoupled step inside an ensemble.  ``await client.wait_aborts()`` waits for them.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import numpy as np
+
+from client.errors import (AbortedError, InternalError, InvalidRequestError, QueueFullError,
+                           TritonLLMError, UnavailableError, error_from_grpc, error_from_message)
+
+log = logging.getLogger("triton_llm.client")
+
+ENSEMBLE = "llm"
+ENGINE = "engine"
+ABORT_TIMEOUT = 10.0
+# Triton's gRPC front end consumes these itself (they never reach a model as parameters) and
+# tritonclient refuses them; see docs/openai_api.md.
+RESERVED_PARAMS = ("priority", "timeout", "sequence_id", "sequence_start", "sequence_end",
+                   "headers", "binary_data_output")
+
+__all__ = ["Chunk", "TritonLLMClient", "TritonLLMError", "InvalidRequestError", "QueueFullError",
+           "UnavailableError", "InternalError", "AbortedError", "to_parameters"]
+
+
+@dataclass
+class Chunk:
+    """One response of one choice. ``text`` is the delta (ensemble); token ids are the delta's."""
+    index: int = 0
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None           # None until the choice finishes
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    logprobs: list[dict] | None = None         # ensemble: OpenAI chat shape; engine: {"id","logprob","top"}
+    metrics: dict | None = None                # final response: queue_time, ttft, num_preemptions
+    window_ids: list[int] | None = None        # engine only (backend/detokenizer.py)
+    num_sent: int | None = None
+    max_chars: int | None = None
+
+
+def to_parameters(params: dict | None) -> dict:
+    """Python values -> Triton request parameters (str/int/float/bool; lists and dicts as JSON)."""
+    out: dict[str, Any] = {}
+    for key, value in (params or {}).items():
+        if value is None:
+            continue
+        if key in RESERVED_PARAMS or key.startswith("triton_"):
+            raise ValueError(f"request parameter {key!r} is reserved by Triton's gRPC front end and "
+                             "would never reach the model")
+        if isinstance(value, (list, tuple, dict)):
+            value = json.dumps(value)
+        elif isinstance(value, np.generic):
+            value = value.item()
+        if not isinstance(value, (str, bool, int, float)):
+            raise ValueError(f"request parameter {key!r} has unsupported type {type(value).__name__}")
+        out[key] = value
+    return out
+
+
+def _scalar(result, name: str, default=None):
+    arr = result.as_numpy(name)
+    if arr is None or arr.size == 0:
+        return default
+    v = arr.reshape(-1)[0]
+    return v.decode("utf-8", errors="replace") if isinstance(v, bytes) else v.item()
+
+
+def _ids(result, name: str) -> list[int] | None:
+    arr = result.as_numpy(name)
+    return None if arr is None else [int(x) for x in arr.reshape(-1)]
+
+
+def _json(result, name: str):
+    text = _scalar(result, name, "")
+    if not text:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        log.warning("output %s is not JSON: %.80r", name, text)
+        return None
+
+
+def parse_response(result) -> Chunk:
+    """A tritonclient InferResult of the ensemble or the engine -> Chunk."""
+    finish = _scalar(result, "finish_reason", "") or None
+    return Chunk(
+        index=int(_scalar(result, "index", 0) or 0),
+        text=_scalar(result, "text_output", "") or "",
+        token_ids=_ids(result, "output_ids") or [],
+        finish_reason=finish,
+        prompt_tokens=int(_scalar(result, "prompt_tokens", 0) or 0),
+        completion_tokens=int(_scalar(result, "completion_tokens", 0) or 0),
+        cached_tokens=int(_scalar(result, "cached_tokens", 0) or 0),
+        logprobs=_json(result, "logprobs"),
+        metrics=_json(result, "metrics"),
+        window_ids=_ids(result, "window_ids"),
+        num_sent=_scalar(result, "num_sent"),
+        max_chars=_scalar(result, "max_chars"),
+    )
+
+
+class TritonLLMClient:
+    """Streams generations from Triton over one shared gRPC channel (create it inside the loop
+    that uses it; the channel itself is opened on first use)."""
+
+    def __init__(self, url: str = "127.0.0.1:8001", *, ensemble: str = ENSEMBLE,
+                 engine: str = ENGINE, verbose: bool = False) -> None:
+        self.url = url
+        self.ensemble = ensemble
+        self.engine = engine
+        self._verbose = verbose
+        self._grpc = None
+        self._aborts: set[asyncio.Task] = set()
+
+    def _client(self):
+        if self._grpc is None:
+            import tritonclient.grpc.aio as grpcclient
+
+            self._grpc = grpcclient.InferenceServerClient(self.url, verbose=self._verbose)
+        return self._grpc
+
+    async def close(self) -> None:
+        await self.wait_aborts()
+        if self._grpc is not None:
+            grpc, self._grpc = self._grpc, None
+            await grpc.close()
+
+    async def __aenter__(self) -> "TritonLLMClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    # -- health ---------------------------------------------------------------------------------
+    async def is_ready(self, timeout: float = 2.0) -> bool:
+        """Triton ready and the ensemble ready; False on any failure."""
+        try:
+            c = self._client()
+            return bool(await c.is_server_ready(client_timeout=timeout)
+                        and await c.is_model_ready(self.ensemble, client_timeout=timeout))
+        except Exception:                       # noqa: BLE001 -- any failure means not ready
+            return False
+
+    # -- generation -----------------------------------------------------------------------------
+    def generate(self, prompt: str | None = None, messages: list[dict] | None = None, *,
+                 request_id: str | None = None, params: dict | None = None,
+                 stream: bool = True) -> AsyncIterator[Chunk]:
+        """Text generation through the ensemble: exactly one of ``prompt`` / ``messages``."""
+        from tritonclient.grpc import InferInput
+
+        if (prompt is None) == (messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        name, value = ("text_input", prompt) if prompt is not None else ("messages", json.dumps(messages))
+        inp = InferInput(name, [1], "BYTES")
+        inp.set_data_from_numpy(np.array([value.encode("utf-8")], dtype=object))
+        return self._stream(self.ensemble, [inp], request_id, params, stream)
+
+    def generate_ids(self, input_ids: list[int], *, request_id: str | None = None,
+                     params: dict | None = None, stream: bool = True) -> AsyncIterator[Chunk]:
+        """Token ids in, token ids out: the ``engine`` model called directly."""
+        from tritonclient.grpc import InferInput
+
+        inp = InferInput("input_ids", [len(input_ids)], "INT32")
+        inp.set_data_from_numpy(np.asarray(input_ids, dtype=np.int32))
+        return self._stream(self.engine, [inp], request_id, params, stream)
+
+    async def _stream(self, model: str, inputs: list, request_id: str | None, params: dict | None,
+                      stream: bool) -> AsyncIterator[Chunk]:
+        rid = request_id or uuid.uuid4().hex
+        parameters = to_parameters({**(params or {}), "stream": bool(stream)})
+        n = int(parameters.get("n", 1))
+        closed = asyncio.Event()               # half-closes our side of the stream when set
+
+        async def requests():
+            yield {"model_name": model, "inputs": inputs, "request_id": rid, "parameters": parameters}
+            await closed.wait()
+
+        finished: set[int] = set()
+        admitted = True                         # False: rejected before the engine kept any state
+        call = None
+        try:
+            call = self._client().stream_infer(requests())
+            while len(finished) < n:
+                try:
+                    result, error = await call.__anext__()
+                except StopAsyncIteration:
+                    raise UnavailableError("Triton closed the stream before the request finished") from None
+                except TritonLLMError:
+                    raise
+                except Exception as exc:        # grpc.aio.AioRpcError, connection loss
+                    raise error_from_grpc(exc) from None
+                if error is not None:
+                    err = error_from_message(error.message() if hasattr(error, "message") else str(error))
+                    admitted = not isinstance(err, (InvalidRequestError, QueueFullError))
+                    raise err
+                chunk = parse_response(result)
+                if chunk.finish_reason == "abort":
+                    finished.add(chunk.index)
+                    raise AbortedError(f"the server aborted request {rid}")
+                if chunk.finish_reason == "error":
+                    raise InternalError(f"request {rid} failed in the engine")
+                if chunk.finish_reason:
+                    finished.add(chunk.index)
+                yield chunk
+        finally:
+            closed.set()
+            if call is not None:
+                call.cancel()
+            if len(finished) < n and admitted:
+                self._spawn_abort(rid)
+
+    def _spawn_abort(self, request_id: str) -> None:
+        """Fire-and-forget explicit abort (safe inside a cancelled task: it does not await)."""
+        try:
+            task = asyncio.get_running_loop().create_task(self.abort(request_id))
+        except RuntimeError:                    # no loop (interpreter shutdown)
+            return
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
+
+    async def abort(self, request_id: str, timeout: float = ABORT_TIMEOUT) -> bool:
+        """Tell the engine to stop ``request_id`` and free its KV blocks; True once acknowledged."""
+        async def requests():
+            yield {"model_name": self.engine, "inputs": [], "request_id": f"abort-{request_id}",
+                   "parameters": {"abort_request_id": request_id}}
+            # returning half-closes the stream; Triton ends it once the control request is FINAL
+
+        call = None
+        try:
+            call = self._client().stream_infer(requests())
+
+            async def drain() -> None:
+                async for _result, error in call:
+                    if error is not None:
+                        log.warning("abort of %s answered with an error: %s", request_id, error)
+
+            await asyncio.wait_for(drain(), timeout)
+            return True
+        except Exception as exc:                # noqa: BLE001 -- best effort, logged
+            log.warning("abort of %s failed: %s", request_id, exc)
+            return False
+        finally:
+            if call is not None:
+                call.cancel()
+
+    async def wait_aborts(self, timeout: float = ABORT_TIMEOUT) -> None:
+        """Wait until every abort spawned so far has been sent and answered."""
+        if self._aborts:
+            await asyncio.wait(list(self._aborts), timeout=timeout)
