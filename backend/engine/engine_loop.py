@@ -1,0 +1,182 @@
+"""EngineLoop: runs LLMEngine.step() on its own daemon thread, fed by a thread-safe intake queue.
+
+    submit(...) ──► intake queue ──► [engine thread: apply adds/aborts → step() → sinks]
+    abort(id)   ──►      ↑                         │
+    stats()     ◄── snapshot published after every step
+
+Only the engine thread touches the engine. ``submit`` validates synchronously (ValueError,
+QueueFullError) so callers get admission errors at once; adds and aborts are applied between
+steps, so an aborted request's blocks are free before the next step runs. When idle the thread
+blocks on the intake queue (no busy spin). If a step raises, every open request gets a final
+StepDelta with ``finish_reason="error"`` and the loop stops, unhealthy.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any, Callable
+
+from backend.engine.errors import QueueFullError
+from backend.engine.llm_engine import LLMEngine
+from backend.engine.stats import EngineStats
+from backend.outputs import StepDelta
+from backend.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+Sink = Callable[[StepDelta], Any] | queue.Queue
+_STOP = ("stop",)
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, *, name: str = "engine-loop"):
+        self.engine = engine
+        self.healthy = True
+        self.error: str | None = None
+        self._intake: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._open: dict[str, list] = {}        # request id -> [sink, choices not yet final]
+        self._queued = 0                        # adds submitted but not applied yet
+        self._accepting = True
+        self._stats = engine.stats()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    # -- any thread ------------------------------------------------------------------------
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams | None = None, *,
+               sink: Sink, stream: bool = True, salt: str | None = None, priority: int = 0,
+               deadline: float | None = None) -> None:
+        """Queue a request; its StepDeltas go to ``sink``. Raises ValueError / QueueFullError /
+        RuntimeError ("[unavailable] ...") synchronously."""
+        if not self.healthy:
+            raise RuntimeError(f"[unavailable] engine is not healthy: {self.error}")
+        if not self._accepting:
+            raise RuntimeError("[unavailable] engine is shutting down")
+        params = params or SamplingParams()
+        prompt_ids = list(prompt_ids)
+        with self._lock:
+            if request_id in self._open:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            self.engine.validate_request(request_id, prompt_ids, params)
+            waiting = self.engine.scheduler.num_waiting + self._queued
+            if waiting >= self.engine.args.max_waiting:
+                raise QueueFullError(f"{waiting} requests are waiting (max_waiting="
+                                     f"{self.engine.args.max_waiting})", retry_after=self.engine.retry_after())
+            self._open[request_id] = [sink, params.n]
+            self._queued += 1
+        self._intake.put(("add", request_id, prompt_ids, params,
+                          dict(stream=stream, salt=salt, priority=priority, deadline=deadline)))
+
+    def abort(self, request_id: str) -> Future:
+        """Abort between steps. The future resolves to the time.monotonic() instant the request's
+        blocks were freed, or None if it was not open (already finished or unknown)."""
+        fut: Future = Future()
+        self._intake.put(("abort", request_id, fut))
+        return fut
+
+    def stats(self) -> EngineStats:
+        """The snapshot published after the last step (safe from any thread)."""
+        return self._stats
+
+    @property
+    def num_open(self) -> int:
+        return len(self._open)
+
+    def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop accepting; with ``drain`` let open requests finish (up to ``timeout``), then
+        abort what is left and join the thread."""
+        self._accepting = False
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while drain and self._open and self._thread.is_alive():
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            time.sleep(0.01)
+        self._intake.put(_STOP)
+        self._thread.join(None if deadline is None else max(0.1, deadline - time.monotonic()))
+
+    # -- engine thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                if not self._apply_intake(block=not engine.has_unfinished()):
+                    for rid in list(self._open):
+                        engine.abort_request(rid)
+                    self._dispatch(engine.step() if engine.has_unfinished() else [])
+                    return
+                if engine.has_unfinished():
+                    self._dispatch(engine.step())
+                    self._stats = engine.stats()
+        except BaseException as exc:        # noqa: BLE001 - the loop must report every failure
+            self._fail(f"[internal] engine step failed: {type(exc).__name__}: {exc}")
+
+    def _apply_intake(self, block: bool) -> bool:
+        """Apply every queued command (waiting for one if ``block``); False on shutdown."""
+        try:
+            cmd = self._intake.get() if block else self._intake.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if cmd is _STOP:
+                return False
+            if cmd[0] == "add":
+                self._add(*cmd[1:])
+            else:
+                _, rid, fut = cmd
+                found = self.engine.abort_request(rid)
+                fut.set_result(time.monotonic() if found else None)
+            try:
+                cmd = self._intake.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _add(self, rid: str, prompt_ids: list[int], params: SamplingParams, kw: dict) -> None:
+        with self._lock:
+            self._queued -= 1
+        try:
+            self.engine.add_request(rid, prompt_ids, params, **kw)
+        except (ValueError, QueueFullError) as exc:   # raced past submit's checks
+            for index in range(params.n):
+                self._dispatch([StepDelta(rid, index, [], [], 0, finished=True, finish_reason="error",
+                                          error=str(exc))])
+
+    def _dispatch(self, deltas: list[StepDelta]) -> None:
+        for d in deltas:
+            entry = self._open.get(d.request_id)
+            if entry is None:
+                continue
+            if d.finished:
+                entry[1] -= 1
+                if entry[1] == 0:
+                    with self._lock:
+                        self._open.pop(d.request_id, None)
+            try:
+                sink = entry[0]
+                sink.put(d) if isinstance(sink, queue.Queue) else sink(d)
+            except Exception:               # a broken sink means the client is gone
+                log.exception("sink of request %s failed; aborting it", d.request_id)
+                if not d.finished:
+                    self.engine.abort_request(d.request_id)
+
+    def _fail(self, error: str) -> None:
+        log.error("engine loop stopped: %s", error)
+        self.healthy = False
+        self.error = error
+        self._accepting = False
+        try:
+            deltas = self.engine.fail_all(error)
+        except Exception:                   # noqa: BLE001
+            deltas = []
+        self._dispatch(deltas)
+        for rid, (sink, left) in list(self._open.items()):   # anything the engine lost track of
+            self._dispatch([StepDelta(rid, i, [], [], 0, finished=True, finish_reason="error", error=error)
+                            for i in range(left)])
+        while True:                         # answer aborts queued behind the crash
+            try:
+                cmd = self._intake.get_nowait()
+            except queue.Empty:
+                break
+            if cmd[0] == "abort":
+                cmd[2].set_result(None)

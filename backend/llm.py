@@ -1,0 +1,91 @@
+"""Offline API in vLLM's shape: ``LLM(model_dir, **engine_options).generate(prompts, params)``."""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+from backend.config import EngineArgs
+from backend.detokenizer import decode_delta
+from backend.engine.errors import QueueFullError
+from backend.engine.llm_engine import LLMEngine
+from backend.outputs import CompletionOutput, RequestOutput, StepDelta
+from backend.sampling_params import SamplingParams
+
+
+class LLM:
+    """Runs the engine in the caller's thread until every prompt is done."""
+
+    def __init__(self, model_dir: Any, **engine_options: Any):
+        self.engine = LLMEngine(model_dir, EngineArgs(**engine_options))
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Outputs in prompt order. ``prompts``: a string, strings, or token-id lists;
+        ``sampling_params``: one for all, or one per prompt. Invalid input raises ValueError
+        before anything runs."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompt_ids = [self._encode(p) for p in prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompt_ids)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompt_ids):
+                raise ValueError(f"got {len(params)} sampling params for {len(prompt_ids)} prompts")
+        ids = [f"llm-{next(self._ids)}" for _ in prompt_ids]
+        for rid, toks, p in zip(ids, prompt_ids, params):
+            self.engine.validate_request(rid, toks, p)
+
+        finals: dict[str, dict[int, StepDelta]] = {rid: {} for rid in ids}
+        n_of = {rid: p.n for rid, p in zip(ids, params)}
+        todo = list(zip(ids, prompt_ids, params))[::-1]
+        bar = _progress(len(ids)) if use_tqdm else None
+        engine = self.engine
+        while todo or engine.has_unfinished():
+            while todo:
+                rid, toks, p = todo[-1]
+                try:
+                    engine.add_request(rid, toks, p, stream=False)
+                except QueueFullError:
+                    break
+                todo.pop()
+            for d in engine.step():
+                finals[d.request_id][d.index] = d
+                if bar is not None and d.finished and len(finals[d.request_id]) == n_of[d.request_id]:
+                    bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [self._output(rid, toks, p, finals[rid]) for rid, toks, p in zip(ids, prompt_ids, params)]
+
+    def _encode(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer")
+            return self.tokenizer.encode(prompt)
+        return [int(t) for t in prompt]
+
+    def _output(self, rid: str, prompt_ids: list[int], p: SamplingParams,
+                deltas: dict[int, StepDelta]) -> RequestOutput:
+        outs = []
+        for index in sorted(deltas):
+            d = deltas[index]
+            text = "" if self.tokenizer is None else decode_delta(
+                self.tokenizer, d.window_ids, d.num_sent, final=True, max_chars=d.max_chars,
+                skip_special_tokens=p.skip_special_tokens)
+            outs.append(CompletionOutput(index=index, token_ids=d.new_token_ids, text=text,
+                                         finish_reason=d.finish_reason,
+                                         logprobs=d.logprobs if p.logprobs is not None else None))
+        cached = next(iter(deltas.values())).cached_tokens if deltas else 0
+        return RequestOutput(request_id=rid, prompt_token_ids=prompt_ids, num_cached_tokens=cached,
+                             outputs=outs)
+
+
+def _progress(total: int):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc="generate")

@@ -1,0 +1,145 @@
+"""Scheduler against the real KV manager (allocator only, no storage): exact chunks and order."""
+from __future__ import annotations
+
+from backend.engine.scheduler import Scheduler
+from backend.engine.sequence import Request, SeqStatus
+from backend.kv_cache.manager import KVCacheManager
+from backend.sampling_params import SamplingParams
+
+BS = 4
+
+
+def make(num_blocks=32, budget=16, max_seqs=8, caching=False):
+    kv = KVCacheManager(num_blocks=num_blocks, block_size=BS, enable_prefix_caching=caching)
+    return kv, Scheduler(kv, max_num_seqs=max_seqs, max_num_batched_tokens=budget)
+
+
+def req(rid, n_prompt, *, priority=0, arrival=0.0, n=1, first=0):
+    return Request(rid, list(range(first, first + n_prompt)), SamplingParams(n=n, max_tokens=50),
+                   max_tokens=50, stream=True, salt=None, priority=priority, deadline=None,
+                   arrival_time=arrival)
+
+
+def run(sched, out, sample_token=7):
+    """What the engine does after the model ran: advance, commit, append sampled tokens."""
+    for seq, n in out.scheduled:
+        seq.num_computed_tokens += n
+        sched.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+    for seq, _ in out.scheduled:
+        if seq.num_computed_tokens == seq.num_tokens:
+            seq.token_ids.append(sample_token)
+
+
+def chunks(out):
+    return [(s.seq_id, n) for s, n in out.scheduled]
+
+
+def test_chunked_prefill_keeps_decodes_running_under_one_budget():
+    kv, sched = make(budget=8)
+    a = req("a", 3, arrival=0)
+    sched.add(a.seqs[0])
+    out = sched.schedule()
+    assert chunks(out) == [("a#0", 3)] and out.num_batched_tokens == 3
+    run(sched, out)
+    b = req("b", 20, arrival=1)
+    sched.add(b.seqs[0])
+    # a decodes (1 token), b's prompt takes the rest of the budget, chunk by chunk
+    seen = []
+    for _ in range(3):
+        out = sched.schedule()
+        seen.append(chunks(out))
+        run(sched, out)
+    assert seen == [[("a#0", 1), ("b#0", 7)], [("a#0", 1), ("b#0", 7)], [("a#0", 1), ("b#0", 6)]]
+    assert b.seqs[0].num_computed_tokens == 20 and b.seqs[0].num_tokens == 21
+    assert kv.block_table("b#0") and len(kv.block_table("b#0")) == 5
+    kv.check_integrity()
+
+
+def test_waiting_order_is_priority_then_arrival_and_respects_max_num_seqs():
+    kv, sched = make(budget=100, max_seqs=2)
+    for rid, prio, arr in [("late", 0, 3.0), ("low", 5, 0.0), ("early", 0, 1.0), ("urgent", -1, 9.0)]:
+        sched.add(req(rid, 2, priority=prio, arrival=arr).seqs[0])
+    out = sched.schedule()
+    assert chunks(out) == [("urgent#0", 2), ("early#0", 2)]
+    assert sched.num_waiting == 2
+
+
+def test_n_reserves_its_seats_before_the_fork():
+    kv, sched = make(budget=100, max_seqs=3)
+    sched.add(req("one", 2, arrival=0).seqs[0])
+    sched.add(req("three", 2, arrival=1, n=3).seqs[0])
+    out = sched.schedule()
+    assert chunks(out) == [("one#0", 2)]      # 1 + 3 seats > 3: "three" waits
+
+
+def test_out_of_blocks_preempts_latest_arrival_and_it_recomputes_later():
+    kv, sched = make(num_blocks=4, budget=100)
+    a, b = req("a", 7, arrival=0), req("b", 7, arrival=1)
+    sched.add(a.seqs[0])
+    sched.add(b.seqs[0])
+    out = sched.schedule()
+    assert chunks(out) == [("a#0", 7), ("b#0", 7)]      # 2 blocks each: pool full
+    run(sched, out)
+    run(sched, sched.schedule())                         # 8 tokens each: still 2 blocks
+    out = sched.schedule()                               # a's 9th token needs a third block
+    assert [s.seq_id for s in out.preempted] == ["b#0"]
+    assert chunks(out) == [("a#0", 1)]
+    seq_b = b.seqs[0]
+    assert seq_b.status is SeqStatus.WAITING and seq_b.num_computed_tokens == 0
+    assert seq_b.num_preemptions == 1 and sched.num_preemptions == 1
+    assert "b#0" not in kv and kv.num_free_blocks == 1
+    kv.check_integrity()
+    run(sched, out)
+    sched.finish(a.seqs[0])
+    out = sched.schedule()
+    assert chunks(out) == [("b#0", 9)]                   # prompt + its sampled tokens, recomputed
+    kv.check_integrity()
+
+
+def test_lone_sequence_that_cannot_grow_preempts_itself():
+    kv, sched = make(num_blocks=2, budget=100)
+    a = req("a", 8)
+    sched.add(a.seqs[0])
+    run(sched, sched.schedule())
+    out = sched.schedule()
+    assert out.scheduled == [] and [s.seq_id for s in out.preempted] == ["a#0"]
+    assert kv.num_free_blocks == 2
+
+
+def test_higher_priority_waiting_request_preempts_lower_priority_running():
+    kv, sched = make(num_blocks=4, budget=100)
+    low = req("low", 12, priority=3, arrival=0)
+    sched.add(low.seqs[0])
+    run(sched, sched.schedule())                          # low holds 3 of 4 blocks
+    high = req("high", 8, priority=0, arrival=1)
+    sched.add(high.seqs[0])
+    out = sched.schedule()
+    assert [s.seq_id for s in out.preempted] == ["low#0"]
+    assert chunks(out) == [("high#0", 8)]
+    kv.check_integrity()
+
+
+def test_finish_frees_running_and_drops_waiting():
+    kv, sched = make(budget=4)
+    a, b = req("a", 10, arrival=0), req("b", 3, arrival=1)
+    sched.add(a.seqs[0])
+    sched.add(b.seqs[0])
+    out = sched.schedule()
+    assert chunks(out) == [("a#0", 4)]
+    sched.finish(a.seqs[0])
+    sched.finish(b.seqs[0])
+    assert kv.num_free_blocks == 32 and sched.num_waiting == 0 and not sched.running
+    assert sched.schedule().scheduled == []
+
+
+def test_prefix_hit_skips_cached_tokens():
+    kv, sched = make(budget=100, caching=True)
+    a = req("a", 10)
+    sched.add(a.seqs[0])
+    run(sched, sched.schedule())
+    sched.finish(a.seqs[0])
+    b = req("b", 10, arrival=1)
+    sched.add(b.seqs[0])
+    out = sched.schedule()
+    assert chunks(out) == [("b#0", 2)]                    # two full blocks (8 tokens) cached
+    assert b.num_cached_tokens == 8 and out.new_requests == [b]
