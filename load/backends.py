@@ -1,0 +1,205 @@
+"""Where benchmark requests go: the OpenAI shim (HTTP+SSE), the Triton ensemble (gRPC stream), or
+the engine in this process (EngineLoop). Each backend streams :class:`Piece` s; the runner stops a
+request early (a cancel) by closing the stream, and each backend's cleanup does what a real client
+does: the HTTP connection closes, the gRPC client sends the explicit abort, the in-process backend
+calls ``abort``.
+
+Greedy decoding with ``ignore_eos`` so output lengths are the workload's, whatever the weights.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import pathlib
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from load.counters import scrape_counters
+
+
+@dataclass
+class Piece:
+    """One streamed response. ``tokens`` counts the delta's tokens where the backend knows them
+    (gRPC, in-process); over HTTP each chunk with text counts as one."""
+    text: str = ""
+    tokens: int = 0
+    finish_reason: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+
+    @property
+    def has_content(self) -> bool:
+        return bool(self.text) or self.tokens > 0
+
+
+class Backend:
+    name = "backend"
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    def stream(self, request_id: str, messages: list[dict], max_tokens: int) -> AsyncIterator[Piece]:
+        raise NotImplementedError
+
+    async def counters(self) -> dict[str, float]:
+        """A snapshot of the engine's work counters (see load/counters.py); {} if unknown."""
+        return {}
+
+    async def kv_usage(self) -> float | None:
+        return (await self.counters()).get("kv_usage")
+
+
+class ShimBackend(Backend):
+    """POST /v1/chat/completions with stream=true, read as raw SSE lines."""
+    name = "http"
+
+    def __init__(self, base_url: str, *, api_key: str | None = None, metrics_url: str | None = None,
+                 timeout: float = 600.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        if not self.base_url.endswith("/v1"):
+            self.base_url += "/v1"
+        self.api_key = api_key
+        self.metrics_url = metrics_url
+        self.timeout = timeout
+        self.model = None
+        self._http = None
+
+    async def start(self) -> None:
+        import httpx
+
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        self._http = httpx.AsyncClient(headers=headers, timeout=self.timeout,
+                                       limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
+        r = await self._http.get(f"{self.base_url}/models")
+        r.raise_for_status()
+        self.model = r.json()["data"][0]["id"]
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+
+    async def stream(self, request_id, messages, max_tokens):
+        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "stream": True,
+                "stream_options": {"include_usage": True}, "temperature": 0, "ignore_eos": True,
+                "user": request_id}
+        async with self._http.stream("POST", f"{self.base_url}/chat/completions", json=body) as resp:
+            if resp.status_code != 200:
+                raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    return
+                event = json.loads(data)
+                if "error" in event:
+                    raise RuntimeError(f"stream error: {event['error']}")
+                piece = Piece()
+                for choice in event.get("choices") or []:
+                    piece.text += (choice.get("delta") or {}).get("content") or ""
+                    piece.finish_reason = choice.get("finish_reason") or piece.finish_reason
+                usage = event.get("usage")
+                if usage:
+                    piece.prompt_tokens = usage.get("prompt_tokens")
+                    piece.completion_tokens = usage.get("completion_tokens")
+                    piece.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+                yield piece
+
+    async def counters(self):
+        return await asyncio.to_thread(scrape_counters, self.metrics_url) if self.metrics_url else {}
+
+
+class GrpcBackend(Backend):
+    """The ``llm`` ensemble over a gRPC stream (client/triton_client.py: one stream per request,
+    explicit abort on an early stop)."""
+    name = "grpc"
+
+    def __init__(self, url: str, *, metrics_url: str | None = None) -> None:
+        self.url = url
+        self.metrics_url = metrics_url
+        self._client = None
+
+    async def start(self) -> None:
+        from client.triton_client import TritonLLMClient
+
+        self._client = TritonLLMClient(self.url)
+        if not await self._client.is_ready(timeout=10):
+            raise RuntimeError(f"Triton at {self.url} is not ready")
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+
+    async def stream(self, request_id, messages, max_tokens):
+        params = {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+        agen = self._client.generate(messages=messages, request_id=request_id, params=params)
+        try:
+            async for c in agen:
+                yield Piece(c.text, len(c.token_ids), c.finish_reason, c.prompt_tokens,
+                            c.completion_tokens, c.cached_tokens)
+        finally:
+            await agen.aclose()
+
+    async def counters(self):
+        return await asyncio.to_thread(scrape_counters, self.metrics_url) if self.metrics_url else {}
+
+
+class EngineBackend(Backend):
+    """The engine in this process: ``EngineLoop`` on its own thread, deltas handed to asyncio.
+    The chat template is applied here (the preprocessing model's job in the full stack); text is
+    not detokenized per step (content = tokens), only at the end for multi-turn histories."""
+    name = "engine"
+
+    def __init__(self, model_dir: str | pathlib.Path, engine_options: dict | None = None) -> None:
+        self.model_dir = pathlib.Path(model_dir)
+        self.engine_options = dict(engine_options or {})
+        self.loop = None
+        self.tokenizer = None
+
+    async def start(self) -> None:
+        from transformers import AutoTokenizer
+
+        from backend.config import EngineArgs
+        from backend.engine import EngineLoop, LLMEngine
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        args = EngineArgs.from_dict({k: str(v) for k, v in self.engine_options.items()})
+        engine = await asyncio.to_thread(LLMEngine, self.model_dir, args)
+        self.loop = EngineLoop(engine)
+        self.loop.start()
+
+    async def close(self) -> None:
+        if self.loop is not None:
+            await asyncio.to_thread(self.loop.stop)
+
+    async def stream(self, request_id, messages, max_tokens):
+        from backend.sampling_params import SamplingParams
+
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        aio = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        self.loop.submit(request_id, ids, params, lambda d: aio.call_soon_threadsafe(queue.put_nowait, d))
+        out_ids: list[int] = []
+        done = False
+        try:
+            while not done:
+                d = await queue.get()
+                if d.error:
+                    raise RuntimeError(d.error)
+                out_ids += d.new_token_ids
+                done = d.finished
+                text = self.tokenizer.decode(out_ids, skip_special_tokens=True) if done else ""
+                yield Piece(text, len(d.new_token_ids), d.finish_reason if done else None,
+                            d.prompt_tokens, d.completion_tokens, d.cached_tokens)
+        finally:
+            if not done:
+                self.loop.abort(request_id)
+
+    async def counters(self):
+        from load.counters import engine_counters
+
+        return engine_counters(self.loop.engine.stats()) if self.loop is not None else {}

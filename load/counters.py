@@ -1,0 +1,72 @@
+"""Work counters of a benchmark run, read the same way from the Triton metrics endpoint (Prometheus
+text) and from the in-process engine (``EngineStats``), under one set of names:
+
+    prompt_tokens, cached_prompt_tokens, generation_tokens, computed_tokens, recomputed_tokens,
+    num_preemptions, num_aborted                       counters: a run reports after - before
+    kv_usage, num_running, num_waiting                 gauges: a run reports the value after
+
+``useful`` tokens are ``computed - recomputed``; the prefix hit rate is ``cached / prompt``.
+"""
+from __future__ import annotations
+
+import re
+import urllib.request
+
+# our name -> the engine's Prometheus series (backend/serving metrics, summed over labels)
+PROMETHEUS_NAMES = {
+    "prompt_tokens": "llm_prompt_tokens_total",
+    "cached_prompt_tokens": "llm_prefix_cache_hit_tokens_total",
+    "generation_tokens": "llm_generation_tokens_total",
+    "computed_tokens": "llm_computed_tokens_total",
+    "recomputed_tokens": "llm_recomputed_tokens_total",
+    "num_preemptions": "llm_preemptions_total",
+    "num_aborted": "llm_requests_aborted_total",
+    "kv_usage": "llm_kv_cache_usage_ratio",
+    "num_running": "llm_num_requests_running",
+    "num_waiting": "llm_num_requests_waiting",
+}
+GAUGES = ("kv_usage", "num_running", "num_waiting")
+
+_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Series name -> value summed over its label sets (comments and histograms' le kept apart)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if not m:
+            continue
+        try:
+            value = float(m.group(3))
+        except ValueError:
+            continue
+        out[m.group(1)] = out.get(m.group(1), 0.0) + value
+    return out
+
+
+def from_prometheus(series: dict[str, float]) -> dict[str, float]:
+    return {ours: series[theirs] for ours, theirs in PROMETHEUS_NAMES.items() if theirs in series}
+
+
+def scrape_counters(metrics_url: str, timeout: float = 5.0) -> dict[str, float]:
+    with urllib.request.urlopen(metrics_url, timeout=timeout) as r:
+        return from_prometheus(parse_prometheus(r.read().decode("utf-8", "replace")))
+
+
+def engine_counters(stats) -> dict[str, float]:
+    """``EngineStats`` -> our names."""
+    out = {name: float(getattr(stats, name)) for name in PROMETHEUS_NAMES if hasattr(stats, name)}
+    out["num_running"] = float(stats.num_running)
+    out["num_waiting"] = float(stats.num_waiting)
+    return out
+
+
+def work_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Counters as after - before, gauges as after, plus the derived useful tokens and hit rate."""
+    out = {k: (after[k] if k in GAUGES else after[k] - before.get(k, 0.0)) for k in after}
+    if "computed_tokens" in out:
+        out["useful_tokens"] = out["computed_tokens"] - out.get("recomputed_tokens", 0.0)
+    if out.get("prompt_tokens"):
+        out["prefix_hit_rate"] = out.get("cached_prompt_tokens", 0.0) / out["prompt_tokens"]
+    return out
