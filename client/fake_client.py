@@ -85,6 +85,8 @@ class FakeLLMClient:
                 raise self.fail_before
             if not stream:
                 await asyncio.sleep(self.delay * len(pieces))
+                if self.fail_after is not None:
+                    raise self.fail_after[1]
                 for i in range(n):
                     yield self._chunk(i, "".join(pieces), list(range(len(pieces))), len(pieces),
                                       prompt_tokens, finish, pieces if top is not None else None, top)

@@ -1,0 +1,86 @@
+"""``create_app(settings, client=None)``: the OpenAI-compatible FastAPI app.
+
+``client`` is anything with TritonLLMClient's ``generate`` / ``is_ready`` / ``close``; tests inject
+a fake. The app also offers, on ``app.state``, what the chat page (``client.chat``) builds on:
+
+    app.state.authenticate(request) -> tenant           raises the 401 OpenAIError
+    await app.state.complete(messages, max_tokens=, tenant=) -> str   non-streaming chat answer
+    app.state.client, app.state.settings
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+import uuid
+
+from fastapi import FastAPI
+
+from client.errors import TritonLLMError
+from client.shim.auth import KeyStore
+from client.shim.errors import from_llm_error, install_handlers
+from client.shim.format import Tally
+from client.shim.generation import collect, merged
+from client.shim.routes import router
+from client.shim.settings import ShimSettings, load_keys
+
+log = logging.getLogger("triton_llm.shim")
+
+
+def create_app(settings: ShimSettings | None = None, *, client=None) -> FastAPI:
+    settings = settings or ShimSettings()
+    if not settings.model_name:                 # the chat page reads settings.model_name
+        settings = dataclasses.replace(settings, model_name=settings.served_model)
+    keys = KeyStore(load_keys(settings))
+    if client is None:
+        from client.triton_client import TritonLLMClient
+
+        client = TritonLLMClient(settings.triton_grpc, ensemble=settings.ensemble, engine=settings.engine)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        if keys.open:
+            log.warning("no API keys configured (--api-keys / TRITON_LLM_API_KEYS): the API is open "
+                        "to anyone who can reach it")
+        log.info("serving model %r from Triton at %s", settings.served_model, settings.triton_grpc)
+        try:
+            yield
+        finally:
+            await client.close()
+
+    app = FastAPI(title="triton-llm OpenAI-compatible API", lifespan=lifespan,
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.settings = settings
+    app.state.client = client
+    app.state.keys = keys
+    app.state.created = int(time.time())
+    app.state.authenticate = keys.authenticate
+
+    async def complete(messages: list[dict], *, max_tokens: int, tenant: str,
+                       temperature: float = 0.0) -> str:
+        """A non-streaming chat completion's text (the chat page summarizes old turns with it)."""
+        params: dict = {"max_tokens": max_tokens, "temperature": temperature}
+        if tenant and not settings.allow_shared_prefix:
+            params["tenant"] = tenant
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        tally = Tally(chat=True, request_id=rid, model=settings.served_model, num_choices=1, logprobs=False)
+        try:
+            await collect(merged([client.generate(messages=messages, request_id=rid, params=params,
+                                                  stream=False)], 1), tally)
+        except TritonLLMError as exc:
+            raise from_llm_error(exc) from None
+        return tally.response()["choices"][0]["message"]["content"]
+
+    app.state.complete = complete
+    install_handlers(app)
+    app.include_router(router)
+    try:
+        import client.chat as chat_page
+    except ImportError as exc:
+        if exc.name != "client.chat":
+            log.warning("chat page not mounted: %s", exc)
+        chat_page = None
+    if chat_page is not None and hasattr(chat_page, "mount_chat"):
+        chat_page.mount_chat(app, settings)
+    return app

@@ -1,0 +1,105 @@
+"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}`` with the right status."""
+from __future__ import annotations
+
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from client.errors import InvalidRequestError, QueueFullError, TritonLLMError, UnavailableError
+
+log = logging.getLogger("triton_llm.shim")
+
+
+class OpenAIError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type
+        self.param, self.code, self.headers = param, code, headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def sse(self) -> str:
+        """The stream's error event (a stream that fails never ends with ``[DONE]``)."""
+        return f"data: {json.dumps(self.body(), ensure_ascii=False)}\n\n"
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, "invalid_request_error", param, code)
+
+
+def unauthorized(message: str = "Incorrect or missing API key. Send it as 'Authorization: Bearer KEY'.") -> OpenAIError:
+    return OpenAIError(401, message, "invalid_request_error", None, "invalid_api_key",
+                       {"WWW-Authenticate": "Bearer"})
+
+
+def model_not_found(model: str) -> OpenAIError:
+    return OpenAIError(404, f"The model '{model}' does not exist or you do not have access to it.",
+                       "invalid_request_error", "model", "model_not_found")
+
+
+def not_ready(message: str = "The model is not ready; try again shortly.") -> OpenAIError:
+    return OpenAIError(503, message, "service_unavailable_error", None, "service_unavailable",
+                       {"Retry-After": "1"})
+
+
+def from_llm_error(exc: TritonLLMError, param_names: dict[str, str] | None = None) -> OpenAIError:
+    """A typed client error -> its OpenAI error; ``param_names`` renames server-side params
+    (e.g. ``text_input`` -> ``prompt``, ``max_tokens`` -> ``max_completion_tokens``)."""
+    if isinstance(exc, InvalidRequestError):
+        param = exc.param
+        if param and param_names:
+            param = param_names.get(param, param)
+        return invalid(exc.message, param)
+    if isinstance(exc, QueueFullError):
+        return OpenAIError(429, f"The server is overloaded: {exc.message}", "rate_limit_error", None,
+                           "rate_limit_exceeded", {"Retry-After": str(exc.retry_after)})
+    if isinstance(exc, UnavailableError):
+        return not_ready(exc.message)
+    return OpenAIError(500, exc.message, "server_error", None, "internal_error")
+
+
+def _validation_param(loc) -> str | None:
+    parts = [str(p) for p in loc if p != "body"]
+    return ".".join(parts) or None
+
+
+def install_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OpenAIError)
+    async def _openai(_req: Request, exc: OpenAIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_req: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        param = _validation_param(first.get("loc", ()))
+        msg = first.get("msg", "invalid request")
+        text = f"{param}: {msg}" if param else msg
+        if first.get("type") == "json_invalid":
+            text, param = f"The request body is not valid JSON: {msg}", None
+        elif param is None:
+            text = f"The request body must be a JSON object: {msg}"
+        return invalid(text, param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_req: Request, exc: StarletteHTTPException):
+        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
+        return OpenAIError(exc.status_code, str(exc.detail), kind, None, None,
+                           dict(exc.headers or {})).response()
+
+    @app.exception_handler(Exception)
+    async def _internal(_req: Request, exc: Exception):
+        log.exception("unhandled error")
+        return OpenAIError(500, f"internal error: {type(exc).__name__}", "server_error", None,
+                           "internal_error").response()
