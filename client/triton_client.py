@@ -35,9 +35,9 @@ ENSEMBLE = "llm"
 ENGINE = "engine"
 ABORT_TIMEOUT = 10.0
 # Triton's gRPC front end consumes these itself (they never reach a model as parameters) and
-# tritonclient refuses them; see docs/openai_api.md.
-RESERVED_PARAMS = ("priority", "timeout", "sequence_id", "sequence_start", "sequence_end",
-                   "headers", "binary_data_output")
+# tritonclient refuses them. The engine reads a request's priority and deadline under other names.
+RENAMED_PARAMS = {"priority": "request_priority", "timeout": "request_timeout"}
+RESERVED_PARAMS = ("sequence_id", "sequence_start", "sequence_end", "headers", "binary_data_output")
 
 __all__ = ["Chunk", "TritonLLMClient", "TritonLLMError", "InvalidRequestError", "QueueFullError",
            "UnavailableError", "InternalError", "AbortedError", "to_parameters"]
@@ -66,6 +66,7 @@ def to_parameters(params: dict | None) -> dict:
     for key, value in (params or {}).items():
         if value is None:
             continue
+        key = RENAMED_PARAMS.get(key, key)
         if key in RESERVED_PARAMS or key.startswith("triton_"):
             raise ValueError(f"request parameter {key!r} is reserved by Triton's gRPC front end and "
                              "would never reach the model")

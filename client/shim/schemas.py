@@ -36,6 +36,7 @@ class _Generation(_Body):
     stop_token_ids: list[int] | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
+    priority: int | None = None             # vLLM's extension: lower = sooner
     user: str | None = None
 
     @property
@@ -46,7 +47,7 @@ class _Generation(_Body):
         p: dict[str, Any] = {}
         for name in ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
                      "frequency_penalty", "repetition_penalty", "stop_token_ids", "min_tokens",
-                     "ignore_eos"):
+                     "ignore_eos", "priority"):
             value = getattr(self, name)
             if value is not None:
                 p[name] = value
@@ -89,7 +90,8 @@ class ChatCompletionRequest(_Generation):
 
     def param_names(self) -> dict[str, str]:
         """Server-side parameter names -> this request's field names (for 400 ``param``)."""
-        names = {"logprobs": "top_logprobs" if self.top_logprobs is not None else "logprobs"}
+        names = {"logprobs": "top_logprobs" if self.top_logprobs is not None else "logprobs",
+                 "request_priority": "priority"}
         if self.max_completion_tokens is not None:
             names["max_tokens"] = "max_completion_tokens"
         return names
@@ -113,4 +115,4 @@ class CompletionRequest(_Generation):
         return p
 
     def param_names(self) -> dict[str, str]:
-        return {"text_input": "prompt"}
+        return {"text_input": "prompt", "request_priority": "priority"}

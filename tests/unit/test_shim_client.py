@@ -29,8 +29,9 @@ def test_parameters_are_triton_scalars():
     p = to_parameters({"stop": ["a", "b"], "stop_token_ids": [1], "n": np.int64(2), "top_p": 0.5,
                        "stream": True, "seed": None})
     assert p == {"stop": '["a", "b"]', "stop_token_ids": "[1]", "n": 2, "top_p": 0.5, "stream": True}
+    assert to_parameters({"priority": 1, "timeout": 2.5}) == {"request_priority": 1, "request_timeout": 2.5}
     with pytest.raises(ValueError, match="reserved"):
-        to_parameters({"priority": 1})
+        to_parameters({"sequence_id": 1})
     with pytest.raises(ValueError, match="reserved"):
         to_parameters({"triton_enable_empty_final_response": True})
 
