@@ -162,17 +162,17 @@ class EngineBackend(Backend):
         from transformers import AutoTokenizer
 
         from backend.config import EngineArgs
-        from backend.engine import EngineLoop, LLMEngine
+        from backend.engine import LLMEngine
+        from backend.engine.engine_loop import EngineLoop
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         args = EngineArgs.from_dict({k: str(v) for k, v in self.engine_options.items()})
         engine = await asyncio.to_thread(LLMEngine, self.model_dir, args)
         self.loop = EngineLoop(engine)
-        self.loop.start()
 
     async def close(self) -> None:
         if self.loop is not None:
-            await asyncio.to_thread(self.loop.stop)
+            await asyncio.to_thread(self.loop.shutdown, False)
 
     async def stream(self, request_id, messages, max_tokens):
         from backend.sampling_params import SamplingParams
@@ -182,7 +182,7 @@ class EngineBackend(Backend):
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         aio = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        self.loop.submit(request_id, ids, params, lambda d: aio.call_soon_threadsafe(queue.put_nowait, d))
+        self.loop.submit(request_id, ids, params, sink=lambda d: aio.call_soon_threadsafe(queue.put_nowait, d))
         out_ids: list[int] = []
         done = False
         try:
@@ -202,4 +202,4 @@ class EngineBackend(Backend):
     async def counters(self):
         from load.counters import engine_counters
 
-        return engine_counters(self.loop.engine.stats()) if self.loop is not None else {}
+        return engine_counters(self.loop.stats()) if self.loop is not None else {}

@@ -57,17 +57,29 @@ async def wait_kv_idle(backend: Backend, idle: float, timeout: float = 30.0) -> 
             "kv_back_to_idle_s": (time.perf_counter() - t0) if ok else None}
 
 
+async def settled_counters(backend: Backend, timeout: float = 10.0) -> dict[str, float]:
+    """Counters once nothing is running or waiting (gauges are published after each step, so a
+    read right after the last response can still see it running)."""
+    t0 = time.perf_counter()
+    while True:
+        c = await backend.counters()
+        if not c or (c.get("num_running", 0) == 0 and c.get("num_waiting", 0) == 0) \
+                or time.perf_counter() - t0 > timeout:
+            return c
+        await asyncio.sleep(0.05)
+
+
 async def bench_point(backend: Backend, jobs: list[Job], *, concurrency: int | None,
                       request_rate: float | None, seed: int = 0, slo_ms: dict | None = None,
                       check_idle: bool = False, progress: bool = True, desc: str = "") -> dict:
     """One load point: counters before, the run, counters after (and the KV idle check)."""
-    before = await backend.counters()
+    before = await settled_counters(backend)
     records, duration = await run_jobs(backend, jobs, concurrency=concurrency, request_rate=request_rate,
                                        seed=seed, progress=progress, desc=desc)
     summary = summarize(records, duration, slo_ms)
     if check_idle:
         summary["kv"] = await wait_kv_idle(backend, before.get("kv_usage", 0.0))
-    after = await backend.counters()
+    after = await settled_counters(backend)
     summary["work"] = work_delta(before, after) if after else {}
     return {"concurrency": concurrency, "request_rate": request_rate, "summary": summary,
             "records": [r.to_json() for r in records]}
