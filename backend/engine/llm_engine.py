@@ -139,7 +139,7 @@ class LLMEngine:
         if not sched.scheduled:
             return deltas
         batch, samplers = build_batch(sched.scheduled, self.kv, self.device)
-        logits = self.runner.execute(batch) if samplers else None
+        logits = self.runner.execute(batch)      # also writes KV for chunks that do not sample
         stats = self._stats
         for req in sched.new_requests:
             stats.prompt_tokens += len(req.prompt_token_ids)
