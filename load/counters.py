@@ -1,11 +1,14 @@
 """Work counters of a benchmark run, read the same way from the Triton metrics endpoint (Prometheus
 text) and from the in-process engine (``EngineStats``), under one set of names:
 
-    prompt_tokens, cached_prompt_tokens, generation_tokens, computed_tokens, recomputed_tokens,
-    num_preemptions, num_aborted                       counters: a run reports after - before
+    prompt_tokens, prefix_queried_tokens, prefix_hit_tokens, generation_tokens,
+    computed_tokens, recomputed_tokens, num_preemptions, num_aborted
+                                                       counters: a run reports after - before
     kv_usage, num_running, num_waiting                 gauges: a run reports the value after
 
-``useful`` tokens are ``computed - recomputed``; the prefix hit rate is ``cached / prompt``.
+``useful`` tokens are ``computed - recomputed``; the prefix hit rate is ``hits / queried`` tokens.
+Triton's endpoint has no computed/recomputed token counters (backend/serving/metrics.py), so over
+a server the work is read as prompt, prefix-hit and generated tokens, and preemptions.
 """
 from __future__ import annotations
 
@@ -15,11 +18,12 @@ import urllib.request
 # our name -> the engine's Prometheus series (backend/serving metrics, summed over labels)
 PROMETHEUS_NAMES = {
     "prompt_tokens": "llm_prompt_tokens_total",
-    "cached_prompt_tokens": "llm_prefix_cache_hit_tokens_total",
+    "prefix_queried_tokens": "llm_prefix_cache_queries_total",
+    "prefix_hit_tokens": "llm_prefix_cache_hits_total",
     "generation_tokens": "llm_generation_tokens_total",
     "computed_tokens": "llm_computed_tokens_total",
     "recomputed_tokens": "llm_recomputed_tokens_total",
-    "num_preemptions": "llm_preemptions_total",
+    "num_preemptions": "llm_num_preemptions_total",
     "num_aborted": "llm_requests_aborted_total",
     "kv_usage": "llm_kv_cache_usage_ratio",
     "num_running": "llm_num_requests_running",
@@ -57,6 +61,8 @@ def scrape_counters(metrics_url: str, timeout: float = 5.0) -> dict[str, float]:
 def engine_counters(stats) -> dict[str, float]:
     """``EngineStats`` -> our names."""
     out = {name: float(getattr(stats, name)) for name in PROMETHEUS_NAMES if hasattr(stats, name)}
+    out["prefix_queried_tokens"] = float(stats.kv.prefix_queried_tokens)
+    out["prefix_hit_tokens"] = float(stats.kv.prefix_hit_tokens)
     out["num_running"] = float(stats.num_running)
     out["num_waiting"] = float(stats.num_waiting)
     return out
@@ -67,6 +73,6 @@ def work_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, f
     out = {k: (after[k] if k in GAUGES else after[k] - before.get(k, 0.0)) for k in after}
     if "computed_tokens" in out:
         out["useful_tokens"] = out["computed_tokens"] - out.get("recomputed_tokens", 0.0)
-    if out.get("prompt_tokens"):
-        out["prefix_hit_rate"] = out.get("cached_prompt_tokens", 0.0) / out["prompt_tokens"]
+    if out.get("prefix_queried_tokens"):
+        out["prefix_hit_rate"] = out.get("prefix_hit_tokens", 0.0) / out["prefix_queried_tokens"]
     return out

@@ -31,7 +31,7 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
         ("output", "sum(rate(llm_generation_tokens_total[1m]))"),
         ("prompt", "sum(rate(llm_prompt_tokens_total[1m]))")]),
     ("Requests/s", "reqps", [
-        ("finished", "sum(rate(llm_requests_finished_total[1m]))"),
+        ("finished {{reason}}", "sum by (reason) (rate(llm_requests_finished_total[1m]))"),
         ("aborted", "sum(rate(llm_requests_aborted_total[1m]))")]),
     ("Queue", "short", [
         ("running", "sum(llm_num_requests_running)"),
@@ -49,7 +49,15 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
         ("aborted / min", "sum(increase(llm_requests_aborted_total[1m]))"),
         ("preempted / min", "sum(increase(llm_num_preemptions_total[1m]))")]),
     ("Cancel-to-free time", "s", [
+        ("p50", _q("llm_abort_to_free_seconds", 0.5)),
         ("p99", _q("llm_abort_to_free_seconds", 0.99))]),
+    ("Rejected requests / min (by reason)", "short", [
+        ("{{reason}}", "sum by (reason) (increase(llm_requests_rejected_total[1m]))")]),
+    ("Engine health and KV tiers", "short", [
+        ("engine healthy", "min(llm_engine_healthy)"),
+        ("evictions / min", "sum(increase(llm_kv_cache_evictions_total[1m]))"),
+        ("offload out MB / min", "sum(increase(llm_kv_offload_out_bytes_total[1m])) / 1e6"),
+        ("offload in MB / min", "sum(increase(llm_kv_offload_in_bytes_total[1m])) / 1e6")]),
 ]
 
 

@@ -191,7 +191,8 @@ llm_generation_tokens_total{model="engine",version="1"} 120
 llm_computed_tokens_total{model="engine",version="1"} 500
 llm_recomputed_tokens_total{model="engine",version="1"} 20
 llm_prompt_tokens_total{model="engine",version="1"} 400
-llm_prefix_cache_hit_tokens_total{model="engine",version="1"} 100
+llm_prefix_cache_hits_total{model="engine",version="1"} 100
+llm_prefix_cache_queries_total{model="engine",version="1"} 400
 llm_kv_cache_usage_ratio{model="engine",version="1"} 0.25
 nv_inference_count{model="llm",version="1"} 3
 """
@@ -204,8 +205,12 @@ nv_inference_count{model="llm",version="1"} 3
 
     from backend.engine.stats import EngineStats
 
-    c = engine_counters(EngineStats(num_running=2, generation_tokens=7, kv_usage=0.5))
+    from backend.kv_cache.manager import KVCacheStats
+
+    c = engine_counters(EngineStats(num_running=2, generation_tokens=7, kv_usage=0.5,
+                                    kv=KVCacheStats(prefix_queried_tokens=10, prefix_hit_tokens=4)))
     assert c["generation_tokens"] == 7.0 and c["num_running"] == 2.0 and c["kv_usage"] == 0.5
+    assert (c["prefix_queried_tokens"], c["prefix_hit_tokens"]) == (10.0, 4.0)
 
 
 def test_plots_write_pngs(tmp_path):
