@@ -227,3 +227,18 @@ def test_engine_model_takes_token_ids():
     assert client._grpc.calls[0].first["model_name"] == "engine"
     assert chunks[0].token_ids == [7, 8] and chunks[0].window_ids == [1, 7, 8] and chunks[0].num_sent == 1
     assert chunks[0].logprobs == [{"id": 7, "logprob": -0.1, "top": []}]
+
+
+def test_sync_wrapper_break_aborts_and_waits():
+    from client.sync_client import SyncTritonLLMClient
+
+    with SyncTritonLLMClient("fake:1") as sync:
+        sync.client._grpc = FakeGrpc([(result(0, "a"), None), (result(0, "b"), None)])
+        for chunk in sync.generate(prompt="p", request_id="s1", params={}):
+            assert chunk.text == "a"
+            break
+        # generate's cleanup already waited for the abort to be answered
+        assert aborts(sync.client) == ["s1"]
+        sync.client._grpc = FakeGrpc([(result(0, "x", "stop"), None)])
+        assert [c.text for c in sync.generate(prompt="p", request_id="s2")] == ["x"]
+        assert aborts(sync.client) == []

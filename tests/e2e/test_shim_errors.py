@@ -1,0 +1,124 @@
+"""Every error status of the shim with its OpenAI JSON shape, against real servers.
+
+429 is real: a second tritonserver with ``max_num_seqs=1, max_waiting=1`` is filled by two long
+requests, so a third is refused by the engine's bounded queue.
+"""
+from __future__ import annotations
+
+import threading
+
+import httpx
+import openai
+import pytest
+
+from backend.serving.launcher import TritonServer
+from client.shim.background import free_port
+from tests.conftest import model_dir
+from tests.e2e.shim_fixtures import (KEY, MODEL, sdk, shim, start_shim, stop_shim,  # noqa: F401
+                                     wait_metric)
+
+pytestmark = pytest.mark.e2e
+
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+def err(exc_info) -> dict:
+    body = exc_info.value.response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"temperature": -1.0}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"n": 0}, "n"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"logprobs": True, "top_logprobs": 99}, "top_logprobs"),
+])
+def test_400_names_the_param(sdk, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as ei:
+        sdk.chat.completions.create(model=MODEL, messages=CHAT, **kwargs)
+    e = err(ei)
+    assert e["type"] == "invalid_request_error" and e["param"] == param, e
+
+
+def test_400_context_overflow_says_limit_and_counts(sdk):
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as ei:
+            sdk.completions.create(model=MODEL, prompt="word " * 1500, max_tokens=4, stream=stream)
+        e = err(ei)
+        assert e["param"] == "prompt" and "1024" in e["message"], e
+        assert any(ch.isdigit() for ch in e["message"].replace("1024", ""))
+    with pytest.raises(openai.BadRequestError) as ei:
+        sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "word " * 1500}])
+    assert err(ei)["param"] == "messages"
+
+
+def test_400_bad_shape(shim):
+    r = httpx.post(shim.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   json={"model": MODEL, "messages": [{"content": "no role"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages")
+
+
+def test_401(shim):
+    bad = openai.OpenAI(base_url=shim.url + "/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as ei:
+        bad.chat.completions.create(model=MODEL, messages=CHAT)
+    assert err(ei)["code"] == "invalid_api_key"
+    assert httpx.get(shim.url + "/v1/models").status_code == 401
+
+
+def test_404(sdk):
+    with pytest.raises(openai.NotFoundError) as ei:
+        sdk.chat.completions.create(model="gpt-4o", messages=CHAT)
+    assert err(ei)["code"] == "model_not_found" and err(ei)["param"] == "model"
+
+
+def test_503_when_triton_is_not_there(triton_server, tmp_path):
+    dead = start_shim(triton_server, tmp_path, grpc_url=f"127.0.0.1:{free_port()}")
+    try:
+        client = openai.OpenAI(base_url=dead.url + "/v1", api_key=KEY, max_retries=0)
+        with pytest.raises(openai.InternalServerError) as ei:
+            client.chat.completions.create(model=MODEL, messages=CHAT)
+        assert ei.value.status_code == 503 and err(ei)["code"] == "service_unavailable"
+        with pytest.raises(openai.InternalServerError) as ei:
+            client.completions.create(model=MODEL, prompt="x", stream=True)
+        assert ei.value.status_code == 503
+        assert httpx.get(dead.url + "/ready").status_code == 503
+        assert httpx.get(dead.url + "/health").status_code == 200
+    finally:
+        stop_shim(dead.proc)
+
+
+def test_429_with_retry_after_when_the_queue_is_full(tmp_path):
+    opts = {"num_kv_blocks": "128", "max_num_seqs": "1", "max_waiting": "1", "num_threads": "1"}
+    with TritonServer(model_dir("tiny"), engine_options=opts, quiet=True) as server:
+        s = start_shim(server, tmp_path)
+        stop = threading.Event()
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 900, "ignore_eos": True, "stream": True}
+
+        def occupy():                            # a long stream, held open until the test ends
+            with httpx.Client(timeout=120) as http:
+                with http.stream("POST", s.url + "/v1/completions", json=body,
+                                 headers={"Authorization": f"Bearer {KEY}"}) as r:
+                    for _ in r.iter_lines():
+                        if stop.is_set():
+                            return
+
+        threads = [threading.Thread(target=occupy, daemon=True) for _ in range(2)]
+        try:
+            for t in threads:                    # one running, one waiting
+                t.start()
+            assert wait_metric(server.metrics_url, "llm_num_requests_waiting", lambda v: v >= 1) >= 1
+            client = openai.OpenAI(base_url=s.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+            for stream in (True, False):
+                with pytest.raises(openai.RateLimitError) as ei:
+                    client.completions.create(model=MODEL, prompt="x", max_tokens=4, stream=stream)
+                e = err(ei)
+                assert e["type"] == "rate_limit_error" and e["code"] == "rate_limit_exceeded"
+                assert int(ei.value.response.headers["retry-after"]) >= 1
+        finally:
+            stop.set()                           # the streams disconnect: the shim aborts them
+            for t in threads:
+                t.join(timeout=30)
+            stop_shim(s.proc)

@@ -1,0 +1,169 @@
+"""The OpenAI shim in front of a real tritonserver, driven by the official ``openai`` SDK."""
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.shim_fixtures import KEY, MODEL, async_sdk, sdk, shim  # noqa: F401 -- fixtures
+
+pytestmark = pytest.mark.e2e
+
+CHAT = [{"role": "user", "content": "Tell me a story about 小猫 and 🐉."}]
+GREEDY = {"temperature": 0.0}
+
+
+def chat_text(r) -> str:
+    return r.choices[0].message.content
+
+
+def test_chat_non_streaming(sdk):
+    r = sdk.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, **GREEDY)
+    assert r.object == "chat.completion" and r.model == MODEL and len(r.choices) == 1
+    assert r.choices[0].message.role == "assistant" and isinstance(chat_text(r), str)
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert 1 <= r.usage.completion_tokens <= 12 and r.usage.prompt_tokens > 5
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.usage.prompt_tokens_details.cached_tokens >= 0
+    extra = r.model_extra["triton_llm"]
+    assert extra["ttft"] is not None and extra["queue_time"] is not None and extra["e2e"] > 0
+
+
+def test_chat_streaming_equals_non_streaming_and_include_usage(sdk):
+    whole = sdk.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24, **GREEDY)
+    chunks = list(sdk.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24, stream=True,
+                                              stream_options={"include_usage": True}, **GREEDY))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == chat_text(whole)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == [whole.choices[0].finish_reason]
+    usage = chunks[-1]
+    assert usage.choices == [] and usage.usage.completion_tokens == whole.usage.completion_tokens
+    assert usage.usage.prompt_tokens == whole.usage.prompt_tokens
+    assert usage.usage.prompt_tokens_details.cached_tokens > 0     # the same prompt again: cached
+    assert usage.model_extra["triton_llm"]["ttft"] is not None
+
+
+def test_completions_streaming_and_not(sdk):
+    prompt = "Once upon a time"
+    whole = sdk.completions.create(model=MODEL, prompt=prompt, max_tokens=16, **GREEDY)
+    assert whole.object == "text_completion" and whole.choices[0].finish_reason in ("stop", "length")
+    streamed = "".join(c.choices[0].text for c in sdk.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=16, stream=True, **GREEDY) if c.choices)
+    assert streamed == whole.choices[0].text
+
+
+def test_max_tokens_gives_length(sdk):
+    r = sdk.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=5,
+                                    extra_body={"ignore_eos": True}, **GREEDY)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5
+    r = sdk.completions.create(model=MODEL, prompt="abc", max_tokens=3, extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
+
+
+def test_stop_string_trims_and_finishes_with_stop(sdk):
+    base = sdk.completions.create(model=MODEL, prompt="The sea", max_tokens=40,
+                                  extra_body={"ignore_eos": True}, **GREEDY).choices[0].text
+    assert len(base) > 12
+    stop = base[8:11]
+    assert stop.strip(), f"pick another stop string from {base!r}"
+    expected = base[:base.index(stop)]
+    for stream in (False, True):
+        r = sdk.completions.create(model=MODEL, prompt="The sea", max_tokens=40, stop=[stop, "\x00never"],
+                                   stream=stream, extra_body={"ignore_eos": True}, **GREEDY)
+        if stream:
+            parts = list(r)
+            text = "".join(c.choices[0].text for c in parts if c.choices)
+            finish = [c.choices[0].finish_reason for c in parts if c.choices and c.choices[0].finish_reason]
+        else:
+            text, finish = r.choices[0].text, [r.choices[0].finish_reason]
+        assert (text, finish) == (expected, ["stop"])
+
+
+def test_n2_streaming(sdk):
+    chunks = list(sdk.chat.completions.create(model=MODEL, messages=CHAT, n=2, max_tokens=8, stream=True,
+                                              temperature=1.0, seed=7, extra_body={"ignore_eos": True}))
+    texts, finishes, roles = {0: "", 1: ""}, {}, set()
+    for c in chunks:
+        for ch in c.choices:
+            roles.update([ch.index] if ch.delta.role else [])
+            texts[ch.index] += ch.delta.content or ""
+            if ch.finish_reason:
+                finishes[ch.index] = ch.finish_reason
+    assert roles == {0, 1} and finishes == {0: "length", 1: "length"}
+    assert texts[0] and texts[1]
+    whole = sdk.chat.completions.create(model=MODEL, messages=CHAT, n=2, max_tokens=8, temperature=1.0,
+                                        seed=7, extra_body={"ignore_eos": True})
+    assert [c.index for c in whole.choices] == [0, 1] and whole.usage.completion_tokens == 16
+
+
+def test_seeded_sampling_is_repeatable(sdk):
+    def once(seed):
+        return sdk.completions.create(model=MODEL, prompt="Random words:", max_tokens=16, temperature=1.0,
+                                      top_p=0.95, seed=seed, extra_body={"top_k": 50, "min_p": 0.01,
+                                                                         "ignore_eos": True}).choices[0].text
+    a, b, c = once(1234), once(1234), once(99)
+    assert a == b and a != c
+
+
+def test_penalties_accepted(sdk):
+    r = sdk.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, presence_penalty=0.5,
+                                    frequency_penalty=0.5, extra_body={"repetition_penalty": 1.2,
+                                                                       "stop_token_ids": [1]})
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_logprobs_shapes(sdk):
+    r = sdk.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, logprobs=True, top_logprobs=2,
+                                    extra_body={"ignore_eos": True}, **GREEDY)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 4
+    for t in content:
+        assert isinstance(t.token, str) and t.logprob <= 0 and isinstance(t.bytes, list)
+        assert len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob
+        assert t.logprob == pytest.approx(t.top_logprobs[0].logprob, abs=1e-4)   # greedy: the best one
+    c = sdk.completions.create(model=MODEL, prompt="Hello", max_tokens=3, logprobs=1,
+                               extra_body={"ignore_eos": True}, **GREEDY)
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 3
+    assert lp.text_offset[0] == 0 and all(len(d) == 1 for d in lp.top_logprobs)
+
+
+def test_unknown_fields_are_ignored(sdk):
+    r = sdk.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2,
+                                    extra_body={"not_an_openai_field": {"x": [1, 2]}, "guided_json": None})
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_models_and_health(sdk, shim):
+    assert [m.id for m in sdk.models.list().data] == [MODEL]
+    assert sdk.models.retrieve(MODEL).model_extra["max_model_len"] == 1024
+    assert httpx.get(shim.url + "/health").status_code == 200
+    assert httpx.get(shim.url + "/ready").json() == {"status": "ready"}
+
+
+def test_32_concurrent_streams_equal_their_non_streamed_results(async_sdk):
+    prompts = [f"Story number {i}: the {['cat', '猫', 'dragon 🐉', 'ship'][i % 4]}" for i in range(32)]
+
+    async def one(p):
+        whole = await async_sdk.completions.create(model=MODEL, prompt=p, max_tokens=16, **GREEDY)
+        return whole.choices[0].text
+
+    async def streamed(p):
+        text = ""
+        async for c in await async_sdk.completions.create(model=MODEL, prompt=p, max_tokens=16, stream=True,
+                                                          **GREEDY):
+            text += c.choices[0].text if c.choices else ""
+        return text
+
+    async def go():
+        s = await asyncio.gather(*(streamed(p) for p in prompts))
+        w = await asyncio.gather(*(one(p) for p in prompts))
+        return s, w
+
+    streams, wholes = asyncio.run(go())
+    assert streams == wholes
+    assert len(set(wholes)) > 1
