@@ -245,7 +245,8 @@ function messageEl(m, isLast) {
                   el("span", {text: new Date(m.created_at * 1000).toLocaleTimeString()}));
   const node = el("div", {class: `msg ${m.role}`, dataset: {id: m.id, role: m.role},
                           "data-testid": `msg-${m.role}`}, meta);
-  if (m.role === "assistant" && m.context) node.append(noticeEl(m.context));
+  const notice = m.role === "assistant" && m.context ? noticeEl(m.context) : null;
+  if (notice) node.append(notice);
   if (state.editing === m.id) { node.append(editBox(m)); return node; }
   node.append(el("div", {class: "bubble", "data-testid": "content", text: m.content}));
   const actions = el("span", {class: "actions"});
@@ -265,11 +266,12 @@ function messageEl(m, isLast) {
 function noticeEl(ctx) {
   if (!ctx.applied) return null;
   const when = ctx.at ? ` at ${new Date(ctx.at * 1000).toLocaleTimeString()}` : "";
+  const turns = (n, what) => `${n} ${what}${n === 1 ? "" : "s"}`;
+  const kept = `the last ${turns(ctx.kept_turns, "turn")} kept`;
   const text = ctx.summarized_turns
-    ? `Context: ${ctx.summarized_turns} older turn${ctx.summarized_turns > 1 ? "s" : ""} summarized by ` +
-      `the model (summarize policy, last ${ctx.kept_turns} kept)${when}`
-    : `Context: ${ctx.dropped_turns} older turn${ctx.dropped_turns > 1 ? "s" : ""} left out ` +
-      `(truncate policy, last ${ctx.kept_turns} kept to fit ${fmt(ctx.max_model_len)} tokens)${when}`;
+    ? `Context: ${turns(ctx.summarized_turns, "older turn")} summarized by the model ` +
+      `(summarize policy, ${kept})${when}`
+    : `Context: ${turns(ctx.dropped_turns, "older turn")} left out (truncate policy, ${kept})${when}`;
   return el("div", {class: "notice", "data-testid": "context-notice", text});
 }
 

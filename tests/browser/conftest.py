@@ -1,0 +1,179 @@
+"""The real stack for the chat page: tritonserver (tiny model) + the OpenAI shim + headless Chromium.
+
+    def test_x(chat_stack, chat_page):      # chat_stack.base_url, .keys, .abort_count(), .metrics()
+        chat_page.goto(chat_stack.base_url)
+
+Chromium is Debian's (`scripts/install_browser.sh` installs it when missing; the tests skip, saying
+why, only when that fails). Development only: ``TRITON_LLM_CHAT_FAKE=1`` serves the shim in-process
+on the scripted FakeLLMClient instead of Triton (no real engine behind it; never the default).
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+OUTPUT = ROOT / "build" / "test-output"
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+# Keys of the shim under test: KEY:TENANT. Each "cold" key is its own tenant, so its prefix cache
+# is salted apart from everyone else's (a cold cache for the same prompt).
+KEYS = {"alice": "sk-alice", "bob": "sk-bob", "cold1": "sk-cold1", "cold2": "sk-cold2",
+        "cold3": "sk-cold3"}
+FAKE = os.environ.get("TRITON_LLM_CHAT_FAKE") == "1"
+
+
+def _get(url: str, timeout: float = 2.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read().decode()
+
+
+def abort_total(metrics_text: str) -> float:
+    """Sum of the engine's abort counters (counter families with "abort" in their name)."""
+    kinds: dict[str, str] = {}
+    total = 0.0
+    for line in metrics_text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(maxsplit=3)
+            kinds[name] = kind.strip()
+        elif line and not line.startswith("#"):
+            name = re.split(r"[{\s]", line, maxsplit=1)[0]
+            family = name[:-len("_total")] if name.endswith("_total") else name
+            if "abort" in name and "counter" in (kinds.get(name), kinds.get(family)):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+class Stack:
+    def __init__(self, base_url: str, model_dir: pathlib.Path, metrics_url: str | None,
+                 fake=None):
+        self.base_url = base_url
+        self.model_dir = model_dir
+        self.metrics_url = metrics_url
+        self.keys = KEYS
+        self.fake = fake
+
+    def metrics(self) -> str:
+        return _get(self.metrics_url) if self.metrics_url else ""
+
+    def abort_count(self) -> float:
+        if self.fake is not None:
+            return float(len(self.fake.aborted))
+        return abort_total(self.metrics())
+
+
+def _wait_http(url: str, proc: subprocess.Popen | None, log: pathlib.Path, timeout: float = 60):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the shim exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            _get(url)
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise RuntimeError(f"the shim did not answer {url} in {timeout:.0f}s:\n{log.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="session")
+def chat_stack():
+    from tests.conftest import model_dir
+
+    tiny = model_dir("tiny")
+    work = pathlib.Path(tempfile.mkdtemp(prefix="chat-stack-"))
+    keys_file = work / "keys.txt"
+    keys_file.write_text("".join(f"{key}:{tenant}\n" for tenant, key in KEYS.items()))
+    if FAKE:
+        yield from _fake_stack(tiny, work, keys_file)
+        return
+    from backend.serving.install import find_tritonserver
+    from backend.serving.launcher import TritonServer, free_port, terminate_group
+    from tests.e2e.conftest import E2E_ENGINE_OPTIONS
+
+    try:
+        find_tritonserver()
+    except FileNotFoundError:
+        pytest.skip("tritonserver not installed (pip install nvidia-pytriton)")
+    with TritonServer(tiny, engine_options=E2E_ENGINE_OPTIONS, quiet=True) as triton:
+        port = free_port()
+        log = work / "shim.log"
+        cmd = [sys.executable, "-m", "client.shim", "--triton-grpc", triton.grpc_url,
+               "--host", "127.0.0.1", "--port", str(port), "--model-dir", str(tiny),
+               "--api-keys", str(keys_file), "--chat-db", str(work / "chat.sqlite3"),
+               "--log-level", "warning"]
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        try:
+            _wait_http(f"http://127.0.0.1:{port}/health", proc, log)
+            yield Stack(f"http://127.0.0.1:{port}", tiny, triton.metrics_url)
+        finally:
+            terminate_group(proc, timeout=10)
+
+
+def _fake_stack(tiny, work, keys_file):
+    """Development only: the real shim app on the scripted fake client, in this process."""
+    import uvicorn
+
+    from client.fake_client import FakeLLMClient
+    from client.shim.app import create_app
+    from client.shim.settings import ShimSettings
+    from backend.serving.launcher import free_port
+
+    fake = FakeLLMClient(delay=0.01, piece=2, reply="lorem ipsum dolor sit amet " * 40)
+    app = create_app(ShimSettings(model_dir=str(tiny), api_keys_file=str(keys_file),
+                                  chat_db_path=str(work / "chat.sqlite3")), client=fake)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    _wait_http(f"http://127.0.0.1:{port}/health", None, work / "none")
+    yield Stack(f"http://127.0.0.1:{port}", tiny, None, fake=fake)
+    server.should_exit = True
+    thread.join(10)
+
+
+@pytest.fixture(scope="session")
+def chromium():
+    """Debian's Chromium via Playwright (installed by scripts/install_browser.sh if missing)."""
+    if not os.path.exists(CHROMIUM):
+        res = subprocess.run(["bash", str(ROOT / "scripts" / "install_browser.sh")],
+                             capture_output=True, text=True, timeout=1200)
+        if res.returncode != 0 or not os.path.exists(CHROMIUM):
+            pytest.skip(f"Chromium is not installed and scripts/install_browser.sh could not install "
+                        f"it (needs root and apt): {(res.stderr or res.stdout)[-500:]}")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def chat_page(chromium):
+    """A fresh browser context (own localStorage) whose page errors fail the test."""
+    context = chromium.new_context(viewport={"width": 1280, "height": 860})
+    page = context.new_page()
+    page.set_default_timeout(30_000)
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    yield page
+    context.close()
+    assert not errors, f"errors in the page: {errors}"
+
+
+@pytest.fixture(scope="session")
+def output_dir() -> pathlib.Path:
+    OUTPUT.mkdir(parents=True, exist_ok=True)
+    return OUTPUT
