@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-import re
 import subprocess
 import sys
 import tempfile
@@ -38,19 +37,17 @@ def _get(url: str, timeout: float = 2.0) -> str:
         return r.read().decode()
 
 
+ABORT_COUNTER = "llm_requests_aborted_total"     # the engine's counter (backend/serving/metrics.py)
+
+
 def abort_total(metrics_text: str) -> float:
-    """Sum of the engine's abort counters (counter families with "abort" in their name)."""
-    kinds: dict[str, str] = {}
-    total = 0.0
+    """The engine's abort counter on Triton's metrics endpoint, summed over its label sets."""
+    total, found = 0.0, False
     for line in metrics_text.splitlines():
-        if line.startswith("# TYPE "):
-            _, _, name, kind = line.split(maxsplit=3)
-            kinds[name] = kind.strip()
-        elif line and not line.startswith("#"):
-            name = re.split(r"[{\s]", line, maxsplit=1)[0]
-            family = name[:-len("_total")] if name.endswith("_total") else name
-            if "abort" in name and "counter" in (kinds.get(name), kinds.get(family)):
-                total += float(line.rsplit(" ", 1)[1])
+        if line.startswith(ABORT_COUNTER) and line[len(ABORT_COUNTER)] in "{ ":
+            total += float(line.rsplit(" ", 1)[1])
+            found = True
+    assert found, f"{ABORT_COUNTER} is not on the metrics endpoint"
     return total
 
 
