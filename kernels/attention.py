@@ -26,6 +26,7 @@ import triton.language as tl
 
 from .device import check_device, interpreted, num_sms
 from .launch import LOG2E, plan_attention
+from .tl_utils import cast_rtne
 
 
 @triton.jit
@@ -150,7 +151,8 @@ def _paged_attention_kernel(
     acc = acc / l_use[:, None]
     if NUM_SPLITS == 1:
         o_ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] * stride_od
-        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(o_ptrs, cast_rtne(acc, out_ptr.dtype.element_ty, UPCAST),
+                 mask=row_ok[:, None] & d_ok[None, :])
     else:
         # Empty slices still write (lse = -inf) so the merge never reads stale memory.
         part = (tok * (G * tl.num_programs(1)) + head) * NUM_SPLITS + split
@@ -172,6 +174,7 @@ def _merge_splits_kernel(
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -191,7 +194,8 @@ def _merge_splits_kernel(
                 mask=hs_ok[:, :, None], other=0.0)                             # [BLOCK_H, SPLITS_PAD, D]
     res = tl.sum(o * w[:, :, None], 1) / w_sum[:, None]
     o_ptrs = out_ptr + tok * stride_ot + h[:, None] * stride_oh + d[None, :] * stride_od
-    tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & (d < HEAD_DIM)[None, :])
+    tl.store(o_ptrs, cast_rtne(res, out_ptr.dtype.element_ty, INTERPRET),
+             mask=h_ok[:, None] & (d < HEAD_DIM)[None, :])
 
 
 def paged_attention(*,
@@ -248,6 +252,6 @@ def paged_attention(*,
     if plan.num_splits > 1:
         _merge_splits_kernel[plan.merge_grid](
             out, part_out, part_lse, num_q_heads, *out.stride(),
-            **plan.merge_constexprs, num_warps=4,
+            **plan.merge_constexprs, INTERPRET=interpret, num_warps=4,
         )
     return out

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from .device import check_device, interpreted
 from .launch import plan_store
+from .tl_utils import cast_rtne
 
 
 @triton.jit
@@ -36,6 +37,7 @@ def _store_kv_kernel(
     NUM_HD: tl.constexpr,       # num_kv_heads * head_dim
     BLOCK_T: tl.constexpr,
     BLOCK_HD: tl.constexpr,     # next_power_of_2(NUM_HD)
+    INTERPRET: tl.constexpr,
 ):
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tok_ok = tok < num_tokens
@@ -59,8 +61,10 @@ def _store_kv_kernel(
           + head[None, :] * stride_kch + dim[None, :] * stride_kcd)
     vc = (blk[:, None] * stride_vcb + off[:, None] * stride_vco
           + head[None, :] * stride_vch + dim[None, :] * stride_vcd)
-    tl.store(k_cache_ptr + kc, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + vc, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    k = cast_rtne(k.to(tl.float32), k_cache_ptr.dtype.element_ty, INTERPRET)
+    v = cast_rtne(v.to(tl.float32), v_cache_ptr.dtype.element_ty, INTERPRET)
+    tl.store(k_cache_ptr + kc, k, mask=mask)
+    tl.store(v_cache_ptr + vc, v, mask=mask)
 
 
 def store_kv_cache(*,
@@ -83,5 +87,5 @@ def store_kv_cache(*,
     _store_kv_kernel[grid](
         key, value, k_cache, v_cache, slot_mapping, num_tokens,
         *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
-        **constexprs,
+        **constexprs, INTERPRET=interpreted(),
     )

@@ -111,3 +111,34 @@ def _decode_batch(query, k_cache, v_cache, tables, starts, lens, seqs, block_siz
     mask = valid[:, None, None, :] if padded else None
     o = _sdpa(q, gather(k_cache), gather(v_cache), mask, scale)   # [B, Hq, 1, D]
     out.index_copy_(0, rows, o.squeeze(2).to(out.dtype))
+
+
+def rms_norm_ref(*,
+                 x: torch.Tensor,                      # [num_tokens, hidden]
+                 weight: torch.Tensor,                 # [hidden]
+                 eps: float,
+                 residual: torch.Tensor | None = None,  # [num_tokens, hidden]
+                 ):
+    """Llama RMSNorm (fp32 statistics, cast back, then times weight), as transformers does it.
+
+    With ``residual``: normalises ``x + residual`` and returns ``(normed, x + residual)``."""
+    if residual is not None:
+        x = x + residual
+    xf = x.float()
+    normed = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return normed if residual is None else (normed, x)
+
+
+def rope_ref(*,
+             query: torch.Tensor,      # [num_tokens, num_q_heads, head_dim], rotated in place
+             key: torch.Tensor,        # [num_tokens, num_kv_heads, head_dim], rotated in place
+             cos: torch.Tensor,        # [max_positions, head_dim // 2]
+             sin: torch.Tensor,        # [max_positions, head_dim // 2]
+             positions: torch.Tensor,  # [num_tokens] int
+             ) -> None:
+    """Rotary embedding, neox layout: halves (x1, x2) -> (x1 c - x2 s, x2 c + x1 s), in fp32."""
+    c = cos.index_select(0, positions.long()).float().unsqueeze(1)
+    s = sin.index_select(0, positions.long()).float().unsqueeze(1)
+    for x in (query, key):
+        x1, x2 = x.float().chunk(2, dim=-1)
+        x.copy_(torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1))

@@ -20,7 +20,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels import attention, kv_store  # noqa: E402
+from kernels import attention, kv_store, rmsnorm, rotary  # noqa: E402
 from kernels.launch import plan_attention, plan_store  # noqa: E402
 
 SHARED_LIMIT = {80: 166912, 89: 101376, 90: 232448}   # max dynamic shared memory per block
@@ -73,16 +73,24 @@ def main(arches: list[int]) -> int:
                          dict(num_warps=plan.num_warps, num_stages=plan.num_stages)))
             if plan.merge_constexprs:
                 jobs.append((f"merge {t} splits={splits} D={d}", attention._merge_splits_kernel,
-                             plan.merge_constexprs,
+                             dict(plan.merge_constexprs, INTERPRET=False),
                              dict(out_ptr=t, part_out_ptr="fp32", part_lse_ptr="fp32"), (),
                              dict(num_warps=4)))
         for dtype in (torch.bfloat16, torch.float32):
             _, consts = plan_store(num_tokens=100, num_kv_heads=8, head_dim=128, block_size=16,
                                    interpret=False)
             t = TL[dtype]
-            jobs.append((f"store {t}", kv_store._store_kv_kernel, consts,
+            jobs.append((f"store {t}", kv_store._store_kv_kernel, dict(consts, INTERPRET=False),
                          dict(key_ptr=t, value_ptr=t, k_cache_ptr=t, v_cache_ptr=t, slot_ptr="i64"),
                          (), dict(num_warps=4)))
+            jobs.append((f"rms_norm {t} hidden=4096", rmsnorm._rms_norm_kernel,
+                         dict(HAS_RESIDUAL=True, BLOCK_T=4, BLOCK_H=4096, INTERPRET=False),
+                         dict(x_ptr=t, res_ptr=t, w_ptr=t, out_ptr=t, res_out_ptr=t), ("eps",),
+                         dict(num_warps=4)))
+            jobs.append((f"rope {t} 32/8 heads dim 128", rotary._rope_kernel,
+                         dict(HALF=64, HALF_PAD=64, HEADS_PAD=32, BLOCK_T=4, INTERPRET=False),
+                         dict(q_ptr=t, k_ptr=t, cos_ptr="fp32", sin_ptr="fp32", pos_ptr="i64"), (),
+                         dict(num_warps=4)))
         for name, fn, consts, ptrs, floats, options in jobs:
             try:
                 shared = compile_one(fn, consts, ptrs, target, floats, **options)
