@@ -108,14 +108,14 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         now = time.monotonic()
+        seats_used = self._seats_in_use()
         while budget > 0:
             seq = self._peek_waiting()
             if seq is None:
                 break
             req = seq.request
-            # An unforked request becomes n sequences after its prompt: reserve their seats.
             seats = 1 if req.forked else req.params.n
-            if len(self.running) + seats > self.max_num_seqs:
+            if seats_used + seats > self.max_num_seqs:
                 break
             cached = self.kv.acquire_prefix(seq.seq_id, seq.token_ids, req.salt)
             if cached is None:
@@ -126,6 +126,7 @@ class Scheduler:
                     self.kv.free(seq.seq_id)        # undo the prefix attach
                     return budget
                 budget = self.max_num_batched_tokens - sum(n for _, n in out.scheduled)
+                seats_used = self._seats_in_use()
                 num_new = min(seq.num_tokens - cached, budget)
                 if num_new <= 0:
                     self.kv.free(seq.seq_id)
@@ -141,7 +142,12 @@ class Scheduler:
                 out.new_requests.append(req)
             out.scheduled.append((seq, num_new))
             budget -= num_new
+            seats_used += seats
         return budget
+
+    def _seats_in_use(self) -> int:
+        """Running sequences, counting an unforked request as the n it becomes after its prompt."""
+        return sum(1 if s.request.forked else s.request.params.n for s in self.running)
 
     def _preempt_lower_priority(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """Make room for a waiting sequence by preempting a running one of lower priority."""

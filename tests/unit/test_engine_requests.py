@@ -1,0 +1,110 @@
+"""Admission and request lifecycle: validation, queue bound, abort, deadlines, priorities, stats."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from backend import SamplingParams
+from backend.config import EngineArgs
+from backend.engine import LLMEngine, QueueFullError
+from tests.conftest import model_dir
+
+P = list(range(100, 140))
+
+
+def engine(**kw):
+    kw.setdefault("num_kv_blocks", 64)
+    return LLMEngine(model_dir("tiny"), EngineArgs(num_threads=1, **kw))
+
+
+def drain(eng):
+    out = []
+    while eng.has_unfinished():
+        out.extend(eng.step())
+    return out
+
+
+def test_invalid_requests_raise_clear_value_errors():
+    eng = engine(max_model_len=64, num_kv_blocks=64)
+    with pytest.raises(ValueError, match=r"prompt has 80 tokens.*max_model_len is 64"):
+        eng.add_request("a", list(range(80)), SamplingParams())
+    with pytest.raises(ValueError, match=r"prompt has 40 tokens and max_tokens is 30.*70.*64"):
+        eng.add_request("a", P, SamplingParams(max_tokens=30))
+    with pytest.raises(ValueError, match="empty"):
+        eng.add_request("a", [], SamplingParams())
+    with pytest.raises(ValueError, match=r"token ids must be integers in \[0, 3130\)"):
+        eng.add_request("a", [1, 99999], SamplingParams())
+    with pytest.raises(ValueError, match="min_tokens"):
+        eng.add_request("a", P, SamplingParams(max_tokens=4, min_tokens=5))
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        engine(max_num_seqs=2).add_request("a", P, SamplingParams(n=3))
+    eng.add_request("a", P, SamplingParams(max_tokens=None))            # the rest of the context
+    assert eng._requests["a"].max_tokens == 24
+    with pytest.raises(ValueError, match="already in use"):
+        eng.add_request("a", P, SamplingParams())
+    # the context limit is also what the KV pool can hold for one sequence
+    assert engine(num_kv_blocks=4, block_size=16).max_model_len == 64
+
+
+def test_queue_full_raises_with_retry_after():
+    eng = engine(max_waiting=2)
+    eng.add_request("a", P, SamplingParams())
+    eng.add_request("b", P, SamplingParams())
+    with pytest.raises(QueueFullError) as info:
+        eng.add_request("c", P, SamplingParams())
+    err = info.value
+    assert isinstance(err, RuntimeError) and err.retry_after > 0
+    assert str(err).startswith("[queue_full retry_after=")
+    assert eng.stats().num_rejected == 1
+    eng.step()                                    # both admitted: room again
+    eng.add_request("c", P, SamplingParams())
+
+
+def test_abort_frees_every_block_at_once_and_finishes_every_choice():
+    eng = engine(max_num_seqs=4)
+    eng.add_request("run", P, SamplingParams(max_tokens=50, ignore_eos=True))
+    eng.add_request("fork", P[:20], SamplingParams(n=3, max_tokens=50, temperature=1.0))
+    eng.add_request("wait", P, SamplingParams(n=2), priority=5)
+    for _ in range(3):
+        eng.step()
+    assert eng.stats().kv.num_used_blocks > 0 and eng.stats().num_waiting == 1
+    assert eng.abort_request("run") and eng.abort_request("fork") and eng.abort_request("wait")
+    assert not eng.abort_request("run") and not eng.abort_request("nope")
+    stats = eng.stats()
+    assert stats.kv.num_used_blocks == 0 and stats.num_running == 0 and stats.num_waiting == 0
+    eng.kv.check_integrity()
+    finals = drain(eng)
+    assert sorted((d.request_id, d.index) for d in finals) == [
+        ("fork", 0), ("fork", 1), ("fork", 2), ("run", 0), ("wait", 0), ("wait", 1)]
+    assert all(d.finished and d.finish_reason == "abort" for d in finals)
+    assert eng.stats().num_aborted == 3 and eng.stats().finished["abort"] == 6
+
+
+def test_deadlines_expire_waiting_and_running_requests():
+    eng = engine(max_num_seqs=1)
+    now = time.monotonic()
+    eng.add_request("running", P, SamplingParams(max_tokens=50, ignore_eos=True), deadline=now + 0.3)
+    eng.add_request("waiting", P, SamplingParams(), deadline=now - 1)
+    first = eng.step()
+    assert [(d.request_id, d.finish_reason, d.error) for d in first if d.finished] == [
+        ("waiting", "abort", "deadline exceeded")]
+    finals = []
+    while eng.has_unfinished():
+        finals += [d for d in eng.step() if d.finished]
+    assert [(d.request_id, d.finish_reason, d.error) for d in finals] == [
+        ("running", "abort", "deadline exceeded")]
+    assert 0 < finals[0].completion_tokens < 50
+    assert eng.stats().num_deadline_exceeded == 2 and eng.stats().kv.num_used_blocks == 0
+
+
+def test_lower_priority_value_runs_first_and_stats_count():
+    eng = engine(max_num_seqs=1)
+    eng.add_request("later", P, SamplingParams(max_tokens=3, temperature=0), priority=1, stream=False)
+    eng.add_request("sooner", P, SamplingParams(max_tokens=3, temperature=0), priority=0, stream=False)
+    order = [d.request_id for d in drain(eng)]
+    assert order == ["sooner", "later"]
+    s = eng.stats()
+    assert s.prompt_tokens == 80 and s.generation_tokens == 6 and s.finished == {"length": 2}
+    assert s.cached_prompt_tokens == 32            # "later" reuses the first 2 blocks of "sooner"
+    assert s.computed_tokens == s.useful_tokens == 80 - 32 + 4
