@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     plot_bars({r["model"]: {"engine": r["engine"]["output_throughput"],
                             "static batching (16)": r["static"]["output_throughput"],
                             "HF one at a time": r["hf_sequential"]["output_throughput"]} for r in results},
-              args.img, ylabel="output tokens/s", title="Offline throughput (256 requests, CPU)", log=True)
+              args.img, ylabel="output tokens/s", title=f"Offline throughput ({args.num_requests} requests, CPU)", log=True)
     print(f"wrote {out} and {args.img}")
     return 0
 
