@@ -39,9 +39,9 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.
     return tokens.transpose(0, 1)
 
 
-def _sdpa(q, k, v, mask, scale):
+def _sdpa(q, k, v, mask, scale, causal=False):
     """q [.., Hq, L, D], k/v [.., Hkv, S, D]; GQA through enable_gqa."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=causal,
                                           enable_gqa=q.shape[-3] != k.shape[-3])
 
 
@@ -80,10 +80,14 @@ def paged_attention_ref(*,
         k = _gather(k_cache, ids, kv_len)
         v = _gather(v_cache, ids, kv_len)
         q = query[q0:q1].transpose(0, 1)                      # [Hq, q_len, D]
-        # Query i sits at absolute position kv_len - q_len + i and sees keys [0, that].
-        pos_q = torch.arange(kv_len - q_len, kv_len, device=q.device)
-        mask = torch.arange(kv_len, device=q.device)[None, :] <= pos_q[:, None]
-        out[q0:q1] = _sdpa(q, k, v, mask, scale).transpose(0, 1).to(out.dtype)
+        if q_len == kv_len:                                    # no cached prefix: plain causal
+            o = _sdpa(q, k, v, None, scale, causal=True)
+        else:
+            # Query i sits at absolute position kv_len - q_len + i and sees keys [0, that].
+            pos_q = torch.arange(kv_len - q_len, kv_len, device=q.device)
+            mask = torch.arange(kv_len, device=q.device)[None, :] <= pos_q[:, None]
+            o = _sdpa(q, k, v, mask, scale)
+        out[q0:q1] = o.transpose(0, 1).to(out.dtype)
     return out
 
 
