@@ -73,7 +73,10 @@ class EngineLoop:
         """Abort between steps. The future resolves to the time.monotonic() instant the request's
         blocks were freed, or None if it was not open (already finished or unknown)."""
         fut: Future = Future()
-        self._intake.put(("abort", request_id, fut))
+        if not self._thread.is_alive():          # stopped or crashed: nothing is open any more
+            fut.set_result(None)
+        else:
+            self._intake.put(("abort", request_id, fut))
         return fut
 
     def stats(self) -> EngineStats:

@@ -1,0 +1,127 @@
+"""EngineLoop end to end: concurrent requests, abort, admission errors, crash, shutdown."""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import pytest
+
+from backend import SamplingParams
+from backend.config import EngineArgs
+from backend.engine import LLMEngine, QueueFullError
+from backend.engine.engine_loop import EngineLoop
+from tests.conftest import model_dir
+
+P = list(range(100, 130))
+
+
+def make_loop(**kw):
+    kw.setdefault("num_kv_blocks", 64)
+    return EngineLoop(LLMEngine(model_dir("tiny"), EngineArgs(num_threads=1, **kw)))
+
+
+def collect(q: queue.Queue, n_final: int = 1, timeout: float = 30.0) -> list:
+    out, finals = [], 0
+    while finals < n_final:
+        d = q.get(timeout=timeout)
+        out.append(d)
+        finals += d.finished
+    return out
+
+
+def test_two_concurrent_requests_and_an_abort():
+    loop = make_loop()
+    try:
+        q_long, got_short = queue.Queue(), []
+        done = threading.Event()
+
+        def short_sink(d):
+            got_short.append(d)
+            if d.finished:
+                done.set()
+
+        loop.submit("long", P, SamplingParams(max_tokens=500, ignore_eos=True, temperature=0), sink=q_long)
+        loop.submit("short", P[:10], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+                    sink=short_sink, stream=False)
+        first = q_long.get(timeout=30)                    # the long one is streaming
+        assert first.request_id == "long" and len(first.new_token_ids) == 1
+        assert done.wait(30)
+        assert len(got_short) == 1 and len(got_short[0].new_token_ids) == 8
+        assert got_short[0].finish_reason == "length"
+        t0 = time.monotonic()
+        freed_at = loop.abort("long").result(timeout=30)
+        assert freed_at is not None and freed_at >= t0
+        rest = collect(q_long)
+        assert rest[-1].finish_reason == "abort"
+        assert 1 + sum(len(d.new_token_ids) for d in rest) < 500
+        assert loop.abort("long").result(timeout=30) is None          # already gone
+        deadline = time.monotonic() + 10
+        while loop.stats().num_requests and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stats = loop.stats()
+        assert stats.kv.num_used_blocks == 0 and stats.num_aborted == 1 and loop.num_open == 0
+        loop.engine.kv.check_integrity()      # the loop is idle, blocked on its intake queue
+    finally:
+        loop.shutdown(drain=False, timeout=10)
+    assert not loop._thread.is_alive()
+
+
+def test_submit_rejects_synchronously():
+    loop = make_loop(max_waiting=2, max_model_len=64)
+    gate = threading.Event()
+    try:
+        with pytest.raises(ValueError, match="max_model_len"):
+            loop.submit("x", list(range(100)), SamplingParams(), sink=queue.Queue())
+        # a sink that blocks holds the engine thread, so later submits pile up in the intake
+        loop.submit("blocker", P, SamplingParams(max_tokens=2), sink=lambda d: gate.wait(30))
+        time.sleep(0.2)
+        loop.submit("a", P, SamplingParams(), sink=queue.Queue())
+        loop.submit("b", P, SamplingParams(), sink=queue.Queue())
+        with pytest.raises(QueueFullError):
+            loop.submit("c", P, SamplingParams(), sink=queue.Queue())
+        with pytest.raises(ValueError, match="already in use"):
+            loop.submit("a", P, SamplingParams(), sink=queue.Queue())
+    finally:
+        gate.set()
+        loop.shutdown(drain=True, timeout=30)
+    assert loop.num_open == 0
+
+
+def test_a_crashing_step_fails_every_open_request_and_marks_unhealthy():
+    loop = make_loop()
+    calls = {"n": 0}
+    execute = loop.engine.runner.execute
+
+    def broken(batch):
+        calls["n"] += 1
+        if calls["n"] >= 3:
+            raise RuntimeError("device fell off the bus")
+        return execute(batch)
+
+    loop.engine.runner.execute = broken
+    qa, qb = queue.Queue(), queue.Queue()
+    loop.submit("a", P, SamplingParams(max_tokens=50, n=2, temperature=1.0), sink=qa)
+    loop.submit("b", P[:5], SamplingParams(max_tokens=50), sink=qb)
+    finals_a = [d for d in collect(qa, n_final=2) if d.finished]
+    finals_b = [d for d in collect(qb) if d.finished]
+    for d in finals_a + finals_b:
+        assert d.finish_reason == "error" and "device fell off the bus" in d.error
+    assert sorted(d.index for d in finals_a) == [0, 1]
+    loop._thread.join(10)
+    assert not loop.healthy
+    with pytest.raises(RuntimeError, match=r"^\[unavailable\]"):
+        loop.submit("c", P, SamplingParams(), sink=queue.Queue())
+    assert loop.abort("a").result(timeout=5) is None
+    loop.shutdown(drain=False, timeout=5)
+
+
+def test_shutdown_drains_open_requests():
+    loop = make_loop()
+    q = queue.Queue()
+    loop.submit("a", P, SamplingParams(max_tokens=20, ignore_eos=True), sink=q, stream=False)
+    loop.shutdown(drain=True, timeout=30)
+    d = q.get_nowait()
+    assert d.finished and d.finish_reason == "length" and len(d.new_token_ids) == 20
+    with pytest.raises(RuntimeError, match="shutting down"):
+        loop.submit("b", P, SamplingParams(), sink=q)
