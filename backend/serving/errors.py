@@ -39,12 +39,12 @@ def tagged(exc: BaseException) -> RequestError:
     """Map any exception from request handling to a tagged RequestError."""
     if isinstance(exc, RequestError):
         return exc
+    text = str(exc)
+    m = re.match(r"\[(\w+)", text)
+    if m:                                   # already tagged (engine QueueFullError, EngineLoop)
+        return RequestError(text, kind=m.group(1))
     if type(exc).__name__ == "QueueFullError":
-        return queue_full(float(getattr(exc, "retry_after", 1) or 1), str(exc))
+        return queue_full(float(getattr(exc, "retry_after", 1) or 1), text)
     if isinstance(exc, ValueError):
-        text = str(exc)
-        if text.startswith("["):
-            return RequestError(text)
-        param = getattr(exc, "param", None) or _param_of(text)
-        return invalid_request(param, text)
+        return invalid_request(getattr(exc, "param", None) or _param_of(text), text)
     return RequestError(f"[internal] {type(exc).__name__}: {exc}", kind="internal")

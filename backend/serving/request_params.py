@@ -5,6 +5,10 @@ integers, floats or booleans. Names are OpenAI's; lists (``stop``, ``stop_token_
 strings. Every step of the ``llm`` ensemble sees the same parameters, so preprocessing rejects a bad
 value before the engine ever sees the request, and the engine (called directly) checks them again.
 Unknown parameters are ignored, like unknown fields of an OpenAI request.
+
+Triton's front ends consume parameters named ``priority`` and ``timeout`` themselves (they never
+reach a model), so a request's priority and deadline travel as ``request_priority`` and
+``request_timeout`` (the plain names are still accepted should they arrive).
 """
 from __future__ import annotations
 
@@ -148,10 +152,12 @@ def request_settings(params: dict) -> RequestSettings:
     except (ValueError, TypeError) as exc:
         raise tagged(ValueError(str(exc))) from None
     timeout = None
-    if "timeout" in p:
-        timeout = _as_float("timeout", p["timeout"])
+    tname = "request_timeout" if "request_timeout" in p else "timeout"
+    if tname in p:
+        timeout = _as_float(tname, p[tname])
         if not 0 < timeout <= MAX_TIMEOUT:
-            raise invalid_request("timeout", f"timeout must be in (0, {MAX_TIMEOUT:.0f}] seconds, got {timeout}")
+            raise invalid_request(tname, f"{tname} must be in (0, {MAX_TIMEOUT:.0f}] seconds, got {timeout}")
+    pname = "request_priority" if "request_priority" in p else "priority"
     tenant = p.get("tenant")
     if tenant is not None and not isinstance(tenant, str):
         tenant = str(tenant)
@@ -160,7 +166,7 @@ def request_settings(params: dict) -> RequestSettings:
         stream=_as_bool("stream", p["stream"]) if "stream" in p else True,
         max_tokens_given="max_tokens" in p,
         tenant=tenant or None,
-        priority=_as_int("priority", p["priority"]) if "priority" in p else 0,
+        priority=_as_int(pname, p[pname]) if pname in p else 0,
         timeout=timeout,
     )
 

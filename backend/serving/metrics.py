@@ -1,0 +1,153 @@
+"""Prometheus metrics of the engine model, exported on Triton's metrics port.
+
+Each custom-metric update is a blocking IPC round trip from the Python-backend stub to the server,
+so nothing on the hot path touches a metric: the response thread puts small events on a queue and
+this module's thread applies them, and polls the engine loop's stats snapshot every
+``poll_interval`` seconds for the gauges and token counters (only changed values are written).
+
+The metric objects come from a ``factory`` (the model.py adapter wraps ``pb_utils.MetricFamily``;
+tests pass a fake) with ``counter(name, doc, labels)``, ``gauge(...)`` and
+``histogram(name, doc, labels, buckets)`` returning objects with ``increment`` / ``set`` /
+``observe``. Every name is listed in docs/architecture.md ("Metrics").
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+
+_LAT = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
+_LONG = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0]
+
+HISTOGRAMS: dict[str, tuple[str, list[float]]] = {
+    "llm_time_to_first_token_seconds": ("Arrival to first streamed token", _LONG),
+    "llm_inter_token_latency_seconds": ("Time between streamed tokens (per token)", _LAT),
+    "llm_e2e_request_latency_seconds": ("Arrival to the final response", _LONG),
+    "llm_queue_time_seconds": ("Arrival to first schedule", _LONG),
+    "llm_abort_to_free_seconds": ("Cancel or abort seen to the request's KV blocks freed", _LAT),
+}
+GAUGES: dict[str, str] = {
+    "llm_num_requests_running": "Sequences holding KV blocks",
+    "llm_num_requests_waiting": "Sequences waiting to be scheduled (new or preempted)",
+    "llm_kv_cache_usage_ratio": "Fraction of device KV blocks in use",
+    "llm_engine_healthy": "1 while the engine loop runs, 0 after it died (requests get [unavailable])",
+}
+# counter name -> (doc, how to read it from an EngineStats snapshot)
+STAT_COUNTERS: dict[str, tuple[str, Callable[[Any], float]]] = {
+    "llm_prompt_tokens_total": ("Prompt tokens of admitted requests", lambda s: s.prompt_tokens),
+    "llm_generation_tokens_total": ("Generated tokens", lambda s: s.generation_tokens),
+    "llm_prefix_cache_queries_total": ("Prompt tokens looked up in the prefix cache",
+                                       lambda s: s.kv.prefix_queried_tokens),
+    "llm_prefix_cache_hits_total": ("Prompt tokens found in the prefix cache", lambda s: s.kv.prefix_hit_tokens),
+    "llm_num_preemptions_total": ("Sequences preempted under KV pressure", lambda s: s.num_preemptions),
+    "llm_requests_aborted_total": ("Requests aborted (client cancel, abort request, deadline, shutdown)",
+                                   lambda s: s.num_aborted + s.num_deadline_exceeded),
+    "llm_kv_cache_evictions_total": ("Cached KV blocks evicted from the device pool", lambda s: s.kv.evictions),
+    "llm_kv_offload_out_bytes_total": ("KV bytes written to the offload tiers", lambda s: s.kv.offload_out_bytes),
+    "llm_kv_offload_in_bytes_total": ("KV bytes read back from the offload tiers", lambda s: s.kv.offload_in_bytes),
+}
+FINISHED = "llm_requests_finished_total"
+FINISH_REASONS = ("stop", "length", "abort", "error")
+REJECTED = "llm_requests_rejected_total"
+REJECT_KINDS = ("invalid_request", "queue_full", "unavailable", "internal")
+
+_STOP = object()
+
+
+class ServingMetrics:
+    def __init__(self, factory: Any, *, stats: Callable[[], Any], healthy: Callable[[], bool],
+                 labels: dict[str, str] | None = None, poll_interval: float = 0.1) -> None:
+        labels = dict(labels or {})
+        self._factory = factory             # keeps pb_utils MetricFamily objects alive
+        self._hist = {n: factory.histogram(n, doc, labels, buckets) for n, (doc, buckets) in HISTOGRAMS.items()}
+        self._gauge = {n: factory.gauge(n, doc, labels) for n, doc in GAUGES.items()}
+        self._stat_counter = {n: factory.counter(n, doc, labels) for n, (doc, _) in STAT_COUNTERS.items()}
+        self._finished = {r: factory.counter(FINISHED, "Finished choices by finish reason",
+                                             {**labels, "reason": r}) for r in FINISH_REASONS}
+        self._rejected = {k: factory.counter(REJECTED, "Requests rejected at admission by error tag",
+                                             {**labels, "reason": k}) for k in REJECT_KINDS}
+        self._stats_fn = stats
+        self._healthy_fn = healthy
+        self._last_counts = {n: 0.0 for n in STAT_COUNTERS}
+        self._last_gauges: dict[str, float] = {}
+        self._q: queue.Queue = queue.Queue()
+        self._poll_interval = poll_interval
+        self._thread = threading.Thread(target=self._run, name="llm-metrics", daemon=True)
+        self._thread.start()
+
+    # -- any thread (cheap) ----------------------------------------------------------------
+    def observe(self, name: str, seconds: float) -> None:
+        self._q.put(("observe", name, seconds))
+
+    def finished(self, reason: str) -> None:
+        self._q.put(("finished", reason))
+
+    def rejected(self, kind: str) -> None:
+        self._q.put(("rejected", kind))
+
+    def flush(self, timeout: float = 5.0) -> None:
+        """Wait until every queued event and a fresh stats poll are applied (tests, shutdown)."""
+        done = threading.Event()
+        self._q.put(("flush", done))
+        done.wait(timeout)
+
+    def stop(self) -> None:
+        self._q.put(_STOP)
+        self._thread.join(5.0)
+
+    # -- metrics thread --------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            try:
+                item = self._q.get(timeout=self._poll_interval)
+            except queue.Empty:
+                self._safe_poll()
+                continue
+            if item is _STOP:
+                self._safe_poll()
+                return
+            try:
+                self._apply(item)
+            except Exception:               # noqa: BLE001 - a metric must never take serving down
+                log.exception("metric update %r failed", item[:2])
+            if self._q.empty():
+                self._safe_poll()
+
+    def _apply(self, item: tuple) -> None:
+        kind = item[0]
+        if kind == "observe":
+            self._hist[item[1]].observe(max(0.0, float(item[2])))
+        elif kind == "finished":
+            counter = self._finished.get(item[1])
+            if counter is not None:
+                counter.increment(1)
+        elif kind == "rejected":
+            self._rejected.get(item[1], self._rejected["internal"]).increment(1)
+        elif kind == "flush":
+            self._safe_poll()
+            item[1].set()
+
+    def _safe_poll(self) -> None:
+        try:
+            self._poll()
+        except Exception:                   # noqa: BLE001
+            log.exception("polling engine stats failed")
+
+    def _poll(self) -> None:
+        s = self._stats_fn()
+        healthy = self._healthy_fn()
+        gauges = {"llm_num_requests_running": s.num_running, "llm_num_requests_waiting": s.num_waiting,
+                  "llm_kv_cache_usage_ratio": s.kv_usage, "llm_engine_healthy": 1.0 if healthy else 0.0}
+        for name, value in gauges.items():
+            if self._last_gauges.get(name) != value:
+                self._gauge[name].set(float(value))
+                self._last_gauges[name] = value
+        for name, (_, read) in STAT_COUNTERS.items():
+            value = float(read(s))
+            diff = value - self._last_counts[name]
+            if diff > 0:
+                self._stat_counter[name].increment(diff)
+                self._last_counts[name] = value

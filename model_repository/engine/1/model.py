@@ -1,0 +1,89 @@
+"""Triton adapter of the decoupled engine model (the work is in backend/serving/engine_service.py).
+
+execute() copies each request out of pb_utils and hands it to the EngineService, which submits it
+to the EngineLoop thread and answers from its own response thread; execute() returns None at once.
+"""
+import triton_python_backend_utils as pb_utils
+
+from backend.serving.engine_service import Incoming, build_engine_service
+from backend.serving.tensors import config_parameters, require_model_dir
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+ERROR_CODES = {"invalid_request": "INVALID_ARG", "queue_full": "UNAVAILABLE", "unavailable": "UNAVAILABLE",
+               "internal": "INTERNAL"}
+
+
+class Responder:
+    """backend.serving.engine_service.Responder over a pb_utils ResponseSender."""
+    __slots__ = ("sender",)
+
+    def __init__(self, sender):
+        self.sender = sender
+
+    def send(self, outputs=None, *, error=None, final=False):
+        flags = FINAL if final else 0
+        if outputs is None and error is None:
+            self.sender.send(flags=flags)
+            return
+        tensors = [pb_utils.Tensor(name, value) for name, value in (outputs or {}).items()]
+        err = None
+        if error is not None:
+            code = getattr(pb_utils.TritonError, ERROR_CODES.get(error.kind, "INTERNAL"))
+            err = pb_utils.TritonError(str(error), code)
+        self.sender.send(pb_utils.InferenceResponse(output_tensors=tensors, error=err), flags=flags)
+
+    def is_cancelled(self):
+        return self.sender.is_cancelled()
+
+
+class MetricFactory:
+    """backend.serving.metrics factory over pb_utils.MetricFamily (one family per name)."""
+
+    def __init__(self):
+        self.families = {}
+
+    def _family(self, name, doc, kind):
+        if name not in self.families:
+            self.families[name] = pb_utils.MetricFamily(name=name, description=doc, kind=kind)
+        return self.families[name]
+
+    def counter(self, name, doc, labels):
+        return self._family(name, doc, pb_utils.MetricFamily.COUNTER).Metric(labels=labels)
+
+    def gauge(self, name, doc, labels):
+        return self._family(name, doc, pb_utils.MetricFamily.GAUGE).Metric(labels=labels)
+
+    def histogram(self, name, doc, labels, buckets):
+        return self._family(name, doc, pb_utils.MetricFamily.HISTOGRAM).Metric(labels=labels, buckets=buckets)
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        if not pb_utils.using_decoupled_model_transaction_policy(self._config(args)):
+            raise ValueError("the engine model must be decoupled (model_transaction_policy { decoupled: true })")
+        params = config_parameters(args["model_config"])
+        model_dir = require_model_dir(params.get("model_dir", ""))
+        labels = {"model": args["model_name"], "version": args["model_version"]}
+        # Metric objects must not outlive their families: keep the factory (and its families) here.
+        self.metric_factory = MetricFactory()
+        self.service = build_engine_service(str(model_dir), params, metrics_factory=self.metric_factory,
+                                            labels=labels)
+
+    @staticmethod
+    def _config(args):
+        import json
+        return json.loads(args["model_config"])
+
+    def execute(self, requests):
+        for request in requests:
+            tensor = pb_utils.get_input_tensor_by_name(request, "input_ids")
+            ids = None if tensor is None else [int(t) for t in tensor.as_numpy().reshape(-1)]
+            timeout_us = request.timeout() if hasattr(request, "timeout") else 0
+            self.service.submit(Incoming(
+                request_id=request.request_id(), input_ids=ids, parameters=request.parameters(),
+                responder=Responder(request.get_response_sender()),
+                timeout_s=timeout_us / 1e6 if timeout_us else None))
+        return None
+
+    def finalize(self):
+        self.service.shutdown()
