@@ -12,9 +12,11 @@ that is the same for all layers lives in :class:`AttentionMetadata`, built once 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from backend.model.decode_attention import DecodePlan, decode_attention, plan_decode
 
 
 @dataclass
@@ -26,6 +28,8 @@ class AttentionMetadata:
     seq_lens: torch.Tensor        # [num_seqs] int32, context incl. this step's tokens
     max_seqlen_q: int = 0         # host ints: let kernels size their grids without a device sync
     max_seq_len: int = 0
+    # Backend-private per-step data computed on the first layer and reused by the others.
+    cache: dict = field(default_factory=dict, repr=False)
 
     @property
     def decode_only(self) -> bool:
@@ -45,8 +49,17 @@ class AttentionBackend:
         raise NotImplementedError
 
 
+@dataclass
+class _TorchSplit:
+    """How a step divides between the decode fast path and the reference (prefill chunks)."""
+    decode: DecodePlan | None
+    prefill_rows: torch.Tensor | None     # query rows of the prefill sequences; None: every row
+    prefill_args: dict | None             # block_tables / cu_seqlens_q / seq_lens of those sequences
+
+
 class TorchAttention(AttentionBackend):
-    """The torch reference: gathers each sequence's blocks and runs SDPA (one call for all decodes)."""
+    """CPU path. Decodes (q_len 1) go through :func:`decode_attention`; prefill chunks through
+    ``kernels.reference.paged_attention_ref`` (which gathers the chunk's blocks and runs SDPA)."""
     name = "torch"
 
     def __init__(self):
@@ -55,9 +68,43 @@ class TorchAttention(AttentionBackend):
 
     def forward(self, query, key, value, k_cache, v_cache, meta, scale):
         self._store(key=key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=meta.slot_mapping)
-        return self._attend(query=query, k_cache=k_cache, v_cache=v_cache, block_tables=meta.block_tables,
-                            cu_seqlens_q=meta.cu_seqlens_q, seq_lens=meta.seq_lens, scale=scale,
-                            max_seq_len=meta.max_seq_len or None)
+        split = meta.cache.get("torch_split")
+        if split is None:
+            split = meta.cache["torch_split"] = self._split(meta, k_cache.shape[1],
+                                                            query.shape[1] * query.shape[2] * query.element_size(),
+                                                            query.device)
+        out = torch.empty_like(query)
+        if split.decode is not None:
+            decode_attention(query, k_cache, v_cache, split.decode, scale, out)
+        if split.prefill_args is not None:
+            q = query if split.prefill_rows is None else query.index_select(0, split.prefill_rows)
+            o = self._attend(query=q, k_cache=k_cache, v_cache=v_cache, scale=scale, **split.prefill_args)
+            if split.prefill_rows is None:
+                return o
+            out.index_copy_(0, split.prefill_rows, o)
+        return out
+
+    @staticmethod
+    def _split(meta: AttentionMetadata, block_size: int, row_bytes: int, device) -> _TorchSplit:
+        starts, lens = meta.cu_seqlens_q.tolist(), meta.seq_lens.tolist()
+        q_lens = [starts[i + 1] - starts[i] for i in range(len(lens))]
+        dec = [i for i, n in enumerate(q_lens) if n == 1]
+        pre = [i for i, n in enumerate(q_lens) if n > 1]
+        plan = None
+        if dec:
+            tables = meta.block_tables if len(dec) == len(lens) else meta.block_tables[dec]
+            plan = plan_decode([starts[i] for i in dec], [lens[i] for i in dec], tables, block_size,
+                               row_bytes, device)
+        if not pre:
+            return _TorchSplit(plan, None, None)
+        if not dec:
+            return _TorchSplit(None, None, dict(block_tables=meta.block_tables, cu_seqlens_q=meta.cu_seqlens_q,
+                                                seq_lens=meta.seq_lens))
+        rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in pre]).to(device)
+        cu = torch.tensor([0] + [q_lens[i] for i in pre]).cumsum(0).to(device=device, dtype=torch.int32)
+        args = dict(block_tables=meta.block_tables[pre], cu_seqlens_q=cu,
+                    seq_lens=meta.seq_lens[pre])
+        return _TorchSplit(plan, rows, args)
 
 
 class TritonAttention(AttentionBackend):

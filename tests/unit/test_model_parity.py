@@ -91,7 +91,7 @@ def test_last_token_logits_only(preset, hf_model):
 def test_chunked_prefill_then_decode_with_shared_prefix(preset, hf_model):
     """A: 3 prefill chunks (crossing block edges), then greedy decode steps.
     B: shares A's first 2 full blocks as a cached prefix, prefills the rest while A still prefills,
-    then decodes in the same steps as A -- mixed prefill/decode batches throughout."""
+    then decodes while A prefills its last chunk (a mixed prefill/decode step), then both decode."""
     runner = make_runner(model_dir(preset))
     vocab = runner.info.vocab_size
     a, b_tail = prompts(vocab, [23, 7], seed=5)
@@ -100,7 +100,6 @@ def test_chunked_prefill_then_decode_with_shared_prefix(preset, hf_model):
     blocks = Blocks(seed=6)
     table_a = blocks.take(40)
     table_b = table_a[:2] + blocks.take(40 - shared)
-
     got = {"a": [], "b": []}
 
     def step(chunks: dict[str, SeqChunk]):
@@ -109,18 +108,18 @@ def test_chunked_prefill_then_decode_with_shared_prefix(preset, hf_model):
         rows = batch.cu_seqlens_q.tolist()
         for i, key in enumerate(chunks):
             got[key].append(out[rows[i]:rows[i + 1]])
-        return out
+
+    def greedy(key: str, seq: list[int]) -> list[int]:
+        return seq + [int(got[key][-1][-1].argmax())]
 
     step({"a": SeqChunk(a[:8], 0, table_a, all_logits=True)})
-    step({"a": SeqChunk(a[8:17], 8, table_a, all_logits=True),
-          "b": SeqChunk(b[shared:shared + 3], shared, table_b, all_logits=True)})
-    step({"a": SeqChunk(a[17:], 17, table_a, all_logits=True),
-          "b": SeqChunk(b[shared + 3:], shared + 3, table_b, all_logits=True)})
-    for _ in range(4):                         # decode A and B together, greedy
-        next_a = int(got["a"][-1][-1].argmax())
-        next_b = int(got["b"][-1][-1].argmax())
-        a, b = a + [next_a], b + [next_b]
-        step({"a": SeqChunk([next_a], len(a) - 1, table_a), "b": SeqChunk([next_b], len(b) - 1, table_b)})
+    step({"b": SeqChunk(b[shared:], shared, table_b, all_logits=True),
+          "a": SeqChunk(a[8:17], 8, table_a, all_logits=True)})
+    b = greedy("b", b)
+    step({"a": SeqChunk(a[17:], 17, table_a, all_logits=True), "b": SeqChunk(b[-1:], len(b) - 1, table_b)})
+    for _ in range(4):                         # decode A and B together
+        a, b = greedy("a", a), greedy("b", b)
+        step({"a": SeqChunk(a[-1:], len(a) - 1, table_a), "b": SeqChunk(b[-1:], len(b) - 1, table_b)})
 
     ref_a, ref_b = hf_logits(hf_model, a), hf_logits(hf_model, b)
     torch.testing.assert_close(torch.cat(got["a"]), ref_a[:len(a)], atol=ATOL, rtol=0)
