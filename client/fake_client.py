@@ -27,6 +27,7 @@ class FakeLLMClient:
         self.reply, self.piece, self.delay, self.ready = reply, piece, delay, ready
         self.fail_before: TritonLLMError | None = None     # raised instead of the first chunk
         self.fail_after: tuple[int, TritonLLMError] | None = None   # (tokens sent, error)
+        self.end_early: int | None = None       # end the stream after k tokens with no finish reason
         self.calls: list[dict] = []
         self.aborted: list[str] = []
         self.finished: list[str] = []
@@ -87,12 +88,17 @@ class FakeLLMClient:
                 await asyncio.sleep(self.delay * len(pieces))
                 if self.fail_after is not None:
                     raise self.fail_after[1]
+                if self.end_early is not None:
+                    done = True
+                    return
                 for i in range(n):
                     yield self._chunk(i, "".join(pieces), list(range(len(pieces))), len(pieces),
                                       prompt_tokens, finish, pieces if top is not None else None, top)
                 done = True
                 return
             for k, p in enumerate(pieces):
+                if self.end_early is not None and k == self.end_early:
+                    break
                 if self.fail_after is not None and k == self.fail_after[0]:
                     raise self.fail_after[1]
                 if self.delay:

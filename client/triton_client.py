@@ -192,7 +192,7 @@ class TritonLLMClient:
                       stream: bool) -> AsyncIterator[Chunk]:
         rid = request_id or uuid.uuid4().hex
         parameters = to_parameters({**(params or {}), "stream": bool(stream)})
-        n = int(parameters.get("n", 1))
+        n = max(1, int(parameters.get("n", 1)))   # a bad n is the server's to reject
         closed = asyncio.Event()               # half-closes our side of the stream when set
 
         async def requests():

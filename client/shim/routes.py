@@ -11,7 +11,7 @@ import uuid
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from client.errors import TritonLLMError
+from client.errors import TritonLLMError, UnavailableError
 from client.shim.errors import from_llm_error, model_not_found, not_ready
 from client.shim.format import Tally
 from client.shim.generation import ClientDisconnected, collect, merged, until_disconnect
@@ -83,6 +83,8 @@ async def _respond(request: Request, agens: list, tally: Tally, n: int, stream: 
             return Response(status_code=CLIENT_CLOSED)
         except TritonLLMError as exc:
             raise from_llm_error(exc, param_names) from None
+        if not tally.done:                          # never a 200 with a truncated answer
+            raise from_llm_error(UnavailableError("the server ended the request before it finished"))
         return JSONResponse(tally.response(), headers=tally.headers())
 
     # Streaming: wait for the first response so that a rejection (400 / 429 / 503) still gets
@@ -110,6 +112,8 @@ async def _events(first, items, tally: Tally, param_names: dict[str, str]):
             for ev in tally.chunk_events(*item):
                 yield ev
             item = await anext(items, None)
+        if not tally.done:
+            raise UnavailableError("the server ended the request before it finished")
         for ev in tally.end_events():
             yield ev
     except TritonLLMError as exc:

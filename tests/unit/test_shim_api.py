@@ -29,7 +29,7 @@ def server(fake):
 
 @pytest.fixture
 def sdk(server, fake):
-    fake.fail_before = fake.fail_after = None
+    fake.fail_before = fake.fail_after = fake.end_early = None
     fake.ready, fake.delay = True, 0.0
     return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
 
@@ -253,3 +253,13 @@ def test_failure_after_start_is_never_a_200(sdk, fake):
     with pytest.raises(openai.InternalServerError) as ei:  # non-streaming: an error status
         sdk.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
     assert ei.value.status_code == 503
+
+
+def test_stream_that_ends_without_finishing_is_an_error(server, fake, sdk):
+    fake.end_early = 2
+    with pytest.raises(openai.InternalServerError) as ei:
+        sdk.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
+    assert ei.value.status_code == 503
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stream": True}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
+    assert "[DONE]" not in r.text and '"error"' in r.text.split("\n\n")[-2]
