@@ -100,3 +100,31 @@ def test_abort_of_unknown_request_is_harmless(triton_server):
             await client.close()
 
     assert asyncio.run(go()) is True
+
+
+def test_chat_cli_ctrl_c_stops_the_answer_and_aborts(triton_server):
+    import io
+
+    from client.chat_cli import run_chat
+    from client.sync_client import SyncTritonLLMClient
+
+    class CtrlCAfter(io.StringIO):
+        """Terminal output that 'receives' Ctrl-C after a few streamed pieces of the first answer."""
+        def __init__(self):
+            super().__init__()
+            self.pieces = 0
+
+        def write(self, s):
+            if not s.startswith(("\n", "[")) and s != "\n> ":
+                self.pieces += 1
+                if self.pieces == 5:
+                    raise KeyboardInterrupt
+            return super().write(s)
+
+    idle(triton_server.metrics_url)
+    before = metric(triton_server.metrics_url, ABORTED)
+    out = CtrlCAfter()
+    with SyncTritonLLMClient(triton_server.grpc_url) as client:
+        assert run_chat(client, max_tokens=900, inp=io.StringIO("tell me everything\n"), out=out) == 0
+    assert "[stopped]" in out.getvalue()
+    assert_aborted_and_freed(triton_server.metrics_url, before, time.monotonic())
