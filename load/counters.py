@@ -49,6 +49,38 @@ def parse_prometheus(text: str) -> dict[str, float]:
     return out
 
 
+def histogram_buckets(text: str, name: str) -> list[tuple[float, float]]:
+    """Cumulative (le, count) of histogram ``name`` summed over its other labels, by le."""
+    acc: dict[float, float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if not m or m.group(1) != f"{name}_bucket":
+            continue
+        le = re.search(r'le="([^"]+)"', m.group(2) or "")
+        if le:
+            key = float("inf") if le.group(1) == "+Inf" else float(le.group(1))
+            acc[key] = acc.get(key, 0.0) + float(m.group(3))
+    return sorted(acc.items())
+
+
+def bucket_quantile(q: float, before: list[tuple[float, float]], after: list[tuple[float, float]]) -> float | None:
+    """Prometheus' histogram_quantile over the observations between two scrapes (linear within a
+    bucket; the upper bound of the last finite bucket when it falls in +Inf)."""
+    prev = dict(before)
+    buckets = [(le, c - prev.get(le, 0.0)) for le, c in after]
+    total = buckets[-1][1] if buckets else 0.0
+    if total <= 0:
+        return None
+    rank, lo_le, lo_c = q * total, 0.0, 0.0
+    for le, c in buckets:
+        if c >= rank:
+            if le == float("inf"):
+                return lo_le
+            return lo_le + (le - lo_le) * ((rank - lo_c) / (c - lo_c) if c > lo_c else 1.0)
+        lo_le, lo_c = le, c
+    return lo_le
+
+
 def from_prometheus(series: dict[str, float]) -> dict[str, float]:
     return {ours: series[theirs] for ours, theirs in PROMETHEUS_NAMES.items() if theirs in series}
 

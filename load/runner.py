@@ -31,7 +31,7 @@ async def run_turn(backend: Backend, request_id: str, job: Job, turn_no: int, tu
     agen = backend.stream(request_id, messages, turn.max_tokens)
     try:
         async for piece in agen:
-            now = time.perf_counter()
+            now = piece.at or time.perf_counter()
             if piece.has_content:
                 if rec.ttft is None:
                     rec.ttft = now - t0

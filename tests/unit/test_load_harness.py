@@ -224,3 +224,18 @@ def test_plots_write_pngs(tmp_path):
                  plot_timeline([0, 1, 2], [0.0, 0.5, 0.0], tmp_path / "t.png", ylabel="kv",
                                marks={"cancel": 1.0})):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_histogram_quantile_from_bucket_deltas():
+    from load.counters import bucket_quantile, histogram_buckets
+
+    def text(counts):
+        les = ["0.001", "0.01", "0.1", "+Inf"]
+        return "\n".join(f'h_bucket{{model="engine",le="{le}"}} {c}' for le, c in zip(les, counts)) + "\nh_sum 1\n"
+
+    before, after = histogram_buckets(text([1, 1, 1, 1]), "h"), histogram_buckets(text([1, 5, 11, 11]), "h")
+    assert after == [(0.001, 1.0), (0.01, 5.0), (0.1, 11.0), (float("inf"), 11.0)]
+    # 10 new observations: 4 in (0.001, 0.01], 6 in (0.01, 0.1]
+    assert bucket_quantile(0.2, before, after) == pytest.approx(0.001 + 0.009 * 0.5)
+    assert bucket_quantile(0.7, before, after) == pytest.approx(0.01 + 0.09 * 0.5)
+    assert bucket_quantile(0.5, after, after) is None
