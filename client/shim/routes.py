@@ -11,7 +11,7 @@ import uuid
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from client.errors import TritonLLMError, UnavailableError
+from client.errors import InternalError, TritonLLMError, UnavailableError
 from client.shim.errors import from_llm_error, model_not_found, not_ready
 from client.shim.format import Tally
 from client.shim.generation import ClientDisconnected, collect, merged, until_disconnect
@@ -119,6 +119,9 @@ async def _events(first, items, tally: Tally, param_names: dict[str, str]):
     except TritonLLMError as exc:
         log.warning("%s: stream failed after it started: %s", tally.id, exc)
         yield from_llm_error(exc, param_names).sse()
+    except Exception as exc:                    # noqa: BLE001 -- still end with an error event
+        log.exception("%s: stream failed", tally.id)
+        yield from_llm_error(InternalError(f"{type(exc).__name__}: {exc}")).sse()
     finally:
         await items.aclose()
 

@@ -128,3 +128,23 @@ def test_chat_cli_ctrl_c_stops_the_answer_and_aborts(triton_server):
         assert run_chat(client, max_tokens=900, inp=io.StringIO("tell me everything\n"), out=out) == 0
     assert "[stopped]" in out.getvalue()
     assert_aborted_and_freed(triton_server.metrics_url, before, time.monotonic())
+
+
+def test_finished_requests_are_not_aborted(shim, triton_server):
+    idle(shim.metrics_url)
+    before = metric(shim.metrics_url, ABORTED)
+    for stream in (False, True):
+        r = httpx.post(shim.url + "/v1/completions", headers=AUTH, timeout=60,
+                       json={"model": MODEL, "prompt": "hi", "max_tokens": 4, "n": 2, "stream": stream})
+        assert r.status_code == 200
+
+    async def direct():
+        client = TritonLLMClient(triton_server.grpc_url)
+        try:
+            return [c async for c in client.generate_ids([1, 300], params={"max_tokens": 3})]
+        finally:
+            await client.close()
+
+    assert asyncio.run(direct())[-1].finish_reason in ("stop", "length")
+    time.sleep(1.0)                              # metrics are exported off the hot path
+    assert metric(shim.metrics_url, ABORTED) == before
