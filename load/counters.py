@@ -105,6 +105,9 @@ def work_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, f
     out = {k: (after[k] if k in GAUGES else after[k] - before.get(k, 0.0)) for k in after}
     if "computed_tokens" in out:
         out["useful_tokens"] = out["computed_tokens"] - out.get("recomputed_tokens", 0.0)
+    if "prompt_tokens" in out and "prefix_hit_tokens" in out:
+        # prompt tokens that had to be prefilled (exact without preemptions, which recompute more)
+        out["prefill_computed_tokens"] = out["prompt_tokens"] - out["prefix_hit_tokens"]
     if out.get("prefix_queried_tokens"):
         out["prefix_hit_rate"] = out.get("prefix_hit_tokens", 0.0) / out["prefix_queried_tokens"]
     return out

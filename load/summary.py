@@ -123,8 +123,8 @@ def format_summary(s: dict, title: str = "") -> str:
         row(f"{label} mean / p50 (ms)", f"{st['mean']:.1f} / {st['p50']:.1f}")
         row(f"{label} p90 / p99 (ms)", f"{st['p90']:.1f} / {st['p99']:.1f}")
     work = s.get("work") or {}
-    for key in ("computed_tokens", "useful_tokens", "prefix_hit_tokens", "prefix_hit_rate",
-                "num_preemptions", "num_aborted", "kv_usage"):
+    for key in ("computed_tokens", "useful_tokens", "prefill_computed_tokens", "prefix_hit_tokens",
+                "prefix_hit_rate", "num_preemptions", "num_aborted", "kv_usage"):
         if key in work:
             row(f"work: {key}", float(work[key]))
     for e in s["errors"]:

@@ -201,7 +201,7 @@ nv_inference_count{model="llm",version="1"} 3
     after = from_prometheus(series)
     d = work_delta({"generation_tokens": 20.0, "computed_tokens": 100.0, "kv_usage": 0.0}, after)
     assert d["generation_tokens"] == 100 and d["computed_tokens"] == 400 and d["useful_tokens"] == 380
-    assert d["kv_usage"] == 0.25 and d["prefix_hit_rate"] == 0.25
+    assert d["kv_usage"] == 0.25 and d["prefix_hit_rate"] == 0.25 and d["prefill_computed_tokens"] == 300
 
     from backend.engine.stats import EngineStats
 
