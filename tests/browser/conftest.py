@@ -27,8 +27,9 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 # Keys of the shim under test: KEY:TENANT. Each "cold" key is its own tenant, so its prefix cache
 # is salted apart from everyone else's (a cold cache for the same prompt).
+# Every test uses its own tenants, so tests see only their own conversations in any order.
 KEYS = {"alice": "sk-alice", "bob": "sk-bob", "cold1": "sk-cold1", "cold2": "sk-cold2",
-        "cold3": "sk-cold3"}
+        "cold3": "sk-cold3", "carol": "sk-carol", "dave": "sk-dave"}
 FAKE = os.environ.get("TRITON_LLM_CHAT_FAKE") == "1"
 
 

@@ -47,7 +47,7 @@ def test_chat_page_scenario(chat_stack, chat_page, output_dir):
     page.goto(chat_stack.base_url + "/")
     # The server has keys: without one the page says so; with one it loads.
     expect(page.get_by_test_id("error")).to_contain_text("API key")
-    page.get_by_test_id("api-key").fill(chat_stack.keys["alice"])
+    page.get_by_test_id("api-key").fill(chat_stack.keys["carol"])
     page.get_by_test_id("api-key").press("Tab")
     expect(page.locator("#model-info")).to_contain_text("context 1,024 tokens")
     expect(page.get_by_test_id("error")).to_be_hidden()
@@ -59,7 +59,16 @@ def test_chat_page_scenario(chat_stack, chat_page, output_dir):
     assert first_reply.strip()
     stats = page.get_by_test_id("msg-assistant").last.get_by_test_id("stats").inner_text()
     assert "tokens" in stats and "prompt cached" in stats and "TTFT" in stats and "tok/s" in stats
-    send(page, "What can you do for me today?", 2)
+    second_reply = send(page, "What can you do for me today?", 2)
+    # Regenerate the second reply: a sibling reply, and the first one is still one click away.
+    page.get_by_test_id("msg-assistant").last.get_by_test_id("regenerate").click()
+    page.wait_for_function(DONE, arg=2, timeout=60_000)
+    regenerated = page.get_by_test_id("msg-assistant").last
+    expect(regenerated.get_by_test_id("branch-pos")).to_have_text("2/2")
+    regenerated.get_by_test_id("branch-prev").click()
+    expect(page.get_by_test_id("msg-assistant").last.get_by_test_id("branch-pos")).to_have_text("1/2")
+    assert page.get_by_test_id("msg-assistant").last.get_by_test_id("content").inner_text() \
+        == second_reply
     expect(page.get_by_test_id("conv-title")).to_have_text("Hello! Please introduce yourself.")
 
     # Conversation B: a long reply (ignore_eos), stopped while it streams.
@@ -134,10 +143,10 @@ def test_chat_page_scenario(chat_stack, chat_page, output_dir):
     expect(page.get_by_test_id("conv-title")).to_have_text("Introductions")
 
     # Another key sees none of it.
-    page.get_by_test_id("api-key").fill(chat_stack.keys["bob"])
+    page.get_by_test_id("api-key").fill(chat_stack.keys["dave"])
     page.get_by_test_id("api-key").press("Tab")
     expect(conversation_items(page)).to_have_count(0)
-    page.get_by_test_id("api-key").fill(chat_stack.keys["alice"])
+    page.get_by_test_id("api-key").fill(chat_stack.keys["carol"])
     page.get_by_test_id("api-key").press("Tab")
     expect(conversation_items(page)).to_have_count(1)
 
