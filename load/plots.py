@@ -60,7 +60,7 @@ def plot_bars(groups: dict[str, dict[str, float]], out: str | pathlib.Path, *, y
         xs = [j + i * width for j in range(len(groups))]
         vals = [g.get(lbl, 0.0) or 0.0 for g in groups.values()]
         bars = ax.bar(xs, vals, width, label=lbl)
-        ax.bar_label(bars, fmt="%.3g", fontsize=8)
+        ax.bar_label(bars, labels=[f"{v:.0f}" if v >= 100 else f"{v:.3g}" for v in vals], fontsize=8)
     ax.set_xticks([j + width * (len(labels) - 1) / 2 for j in range(len(groups))], list(groups))
     ax.set_ylabel(ylabel)
     if log:

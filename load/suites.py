@@ -154,6 +154,9 @@ async def suite_prefix(args) -> tuple[str, dict]:
                                   "follow-up": _turn_ttft(out[m][c]["multi-turn"], False)}
                for m in out for c in ("on", "off")},
               IMG / "prefix_multiturn.png", ylabel="TTFT p50 (ms)", title="Multi-turn TTFT, prefix cache on vs off")
+    plot_bars({m: {f"cache {c}": out[m][c]["shared-prefix"]["summary"]["output_throughput"] for c in ("on", "off")}
+               for m in out}, IMG / "prefix_shared.png", ylabel="output tokens/s",
+              title="Shared 512-token system prompts, 16 streams")
     return table, out
 
 
