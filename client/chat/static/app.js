@@ -211,10 +211,13 @@ function render() {
     : (conv ? state.current.path.map((id) => state.byId.get(id)) : []);
   const nodes = path.map((m, i) => messageEl(m, i === path.length - 1));
   if (streaming) nodes.push(streamingEl(streaming));
+  if (state.preparing && conv && state.preparing === conv.id)
+    nodes.push(el("div", {class: "msg preparing", "data-testid": "preparing"},
+                  el("span", {class: "stats", text: "Preparing the context…"})));
   if (!nodes.length) nodes.push(state.emptyEl);
   box.replaceChildren(...nodes);
-  const busy = Boolean(state.stream);
-  $("send").hidden = busy && Boolean(streaming);
+  const busy = Boolean(state.stream || state.preparing);
+  $("send").hidden = Boolean(streaming);
   $("send").disabled = busy;
   $("stop").hidden = !streaming;
   if (stick) scrollToBottom();
@@ -228,7 +231,7 @@ function branchNav(m) {
     await api("PUT", convPath(state.current.conversation.id, "/leaf"), {message_id: sibs[j]});
     await reloadCurrent();
   });
-  const busy = Boolean(state.stream);
+  const busy = Boolean(state.stream || state.preparing);
   return el("span", {class: "branch", "data-testid": "branch"},
             el("button", {title: "Previous branch", text: "‹", disabled: busy || i === 0,
                           "data-testid": "branch-prev", onclick: () => go(i - 1)}),
@@ -238,7 +241,7 @@ function branchNav(m) {
 }
 
 function messageEl(m, isLast) {
-  const busy = Boolean(state.stream);
+  const busy = Boolean(state.stream || state.preparing);
   const meta = el("div", {class: "meta"},
                   el("span", {class: "role", text: m.role === "user" ? "You" : "Assistant"}),
                   branchNav(m),
@@ -288,8 +291,21 @@ function statsEl(m) {
     `TTFT ${fmt(s.ttft_ms)} ms`,
     `${fmt(s.tokens_per_s, 1)} tok/s`,
   ].filter(Boolean).join(" · ");
-  const title = s.server ? "server: " + JSON.stringify(s.server) : "measured in the browser";
+  const title = serverTitle(s);
   return el("span", {class: "stats", "data-testid": "stats", title}, ...parts, text);
+}
+
+function serverTitle(s) {
+  const lines = ["Measured in the browser: TTFT from sending the request, tok/s while streaming."];
+  const srv = s.server || {};
+  if (srv.ttft != null) {
+    const decode = srv.e2e != null && s.completion_tokens > 1 && srv.e2e > srv.ttft
+      ? `, ${fmt((s.completion_tokens - 1) / (srv.e2e - srv.ttft), 1)} tok/s` : "";
+    lines.push(`Server: TTFT ${fmt(srv.ttft * 1000, 1)} ms${decode}, queue ${fmt((srv.queue_time || 0) * 1000, 1)} ms` +
+               `, preemptions ${srv.num_preemptions ?? 0}`);
+  }
+  if (srv.request_id) lines.push(`Request ${srv.request_id}`);
+  return lines.join("\n");
 }
 
 function editBox(m) {
@@ -299,7 +315,8 @@ function editBox(m) {
   const submit = () => guarded(async () => {
     const content = area.value.trim();
     if (!content) return;
-    const res = await api("POST", convPath(state.current.conversation.id, `/messages/${m.id}/edit`), {content});
+    const id = state.current.conversation.id;
+    const res = await preparing(id, () => api("POST", convPath(id, `/messages/${m.id}/edit`), {content}));
     state.editing = null;
     await reloadCurrent();
     await generate(res.message.id, res.context);
@@ -387,8 +404,11 @@ function liveStats(s) {
   const u = s.usage || {};
   const completion = u.completion_tokens ?? s.chunks;
   const end = s.tLast ?? performance.now();
+  // Decode rate between the first and last token; when they arrived in one burst (a short reply,
+  // a busy network path) that window means nothing, so fall back to the rate over the whole reply.
   let tps = null;
-  if (s.tFirst !== null && completion > 1 && end > s.tFirst) tps = (completion - 1) / ((end - s.tFirst) / 1000);
+  if (s.tFirst !== null && completion > 1 && end - s.tFirst >= 50) tps = (completion - 1) / ((end - s.tFirst) / 1000);
+  else if (completion > 0 && end > s.t0) tps = completion / ((end - s.t0) / 1000);
   return {
     prompt_tokens: u.prompt_tokens ?? null,
     completion_tokens: completion,
@@ -447,9 +467,16 @@ function stop() {
   state.stream.controller.abort();
 }
 
+// The server computes the context (the summarize policy may call the model first): say so.
+async function preparing(convId, fn) {
+  state.preparing = convId;
+  render();
+  try { return await fn(); } finally { state.preparing = null; render(); }
+}
+
 async function send() {
   const text = $("input").value.trim();
-  if (!text || state.stream) return;
+  if (!text || state.stream || state.preparing) return;
   await guarded(async () => {
     if (!state.current) await newConversation();
     const conv = state.current.conversation;
@@ -457,7 +484,8 @@ async function send() {
     const last = path.length ? state.byId.get(path[path.length - 1]) : null;
     // After an assistant reply: continue. After an unanswered message: replace it (a sibling).
     const parent = last ? (last.role === "assistant" ? last.id : last.parent_id) : null;
-    const res = await api("POST", convPath(conv.id, "/messages"), {role: "user", content: text, parent_id: parent});
+    const res = await preparing(conv.id, () =>
+      api("POST", convPath(conv.id, "/messages"), {role: "user", content: text, parent_id: parent}));
     $("input").value = "";
     autosize();
     await refreshList();          // the first message names the conversation
@@ -468,7 +496,8 @@ async function send() {
 
 function regenerate(userId) {
   guarded(async () => {
-    const ctx = await api("GET", convPath(state.current.conversation.id, `/context?leaf_id=${encodeURIComponent(userId)}`));
+    const id = state.current.conversation.id;
+    const ctx = await preparing(id, () => api("GET", convPath(id, `/context?leaf_id=${encodeURIComponent(userId)}`)));
     await generate(userId, ctx);
   });
 }
