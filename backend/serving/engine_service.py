@@ -125,9 +125,17 @@ class EngineService:
             if timeouts:
                 deadline = now + min(timeouts)
             self._q.put(("open", h))          # before the engine can produce a delta for it
-            self.loop.submit(rid, inc.input_ids, settings.sampling, sink=lambda d, h=h: self._q.put((h, d)),
-                             stream=settings.stream, salt=settings.tenant, priority=settings.priority,
-                             deadline=deadline)
+            try:
+                self.loop.submit(rid, inc.input_ids, settings.sampling, sink=lambda d, h=h: self._q.put((h, d)),
+                                 stream=settings.stream, salt=settings.tenant, priority=settings.priority,
+                                 deadline=deadline)
+            except ValueError as exc:        # the engine's own checks (token ids in vocabulary, ...)
+                text = str(exc)
+                if text.startswith("prompt"):
+                    raise invalid_request("input_ids", text) from None
+                if text.startswith("request_id"):
+                    raise invalid_request("request_id", text) from None
+                raise
         except Exception as exc:             # noqa: BLE001 - every failure becomes a tagged answer
             self._q.put(("reject", h, tagged(exc)))
 

@@ -1,0 +1,99 @@
+"""Cancel and abort through a real tritonserver: KV blocks freed within a step, metrics show it.
+
+A gRPC stream cancel reaches the engine model when it is called directly, but not the engine step
+inside the ``llm`` ensemble, so ensemble clients also send an explicit abort (parameter
+``abort_request_id`` to model ``engine``).
+"""
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+
+from tests.e2e.helpers import Result, Stream, abort, generate, make_inputs, metric, scrape, wait_metric
+
+pytestmark = pytest.mark.e2e
+
+LONG = dict(max_tokens=900, temperature=0.0, ignore_eos=True)
+
+
+def _idle(server) -> dict:
+    snap, _ = wait_metric(server, lambda s: metric(s, "llm_num_requests_running") == 0
+                          and metric(s, "llm_num_requests_waiting") == 0, timeout=10.0)
+    return snap
+
+
+def _start(server, model: str, **inputs) -> tuple[Stream, Result]:
+    s = Stream(server)
+    res = Result(uuid.uuid4().hex)
+    s.send(model, make_inputs(**inputs), res.request_id, LONG)
+    s.collect(res, until_responses=5, timeout=60)
+    assert res.error is None and res.finals == 0
+    return s, res
+
+
+def _freed_within_one_second(server, before: dict, t0: float) -> dict:
+    snap, _ = wait_metric(server, lambda s: (
+        metric(s, "llm_num_requests_running") == 0
+        and metric(s, "llm_kv_cache_usage_ratio") == metric(before, "llm_kv_cache_usage_ratio")
+        and metric(s, "llm_requests_aborted_total") >= metric(before, "llm_requests_aborted_total") + 1),
+        timeout=1.0)
+    assert time.monotonic() - t0 < 1.5
+    assert metric(snap, "llm_abort_to_free_seconds_count") == metric(before, "llm_abort_to_free_seconds_count") + 1
+    assert metric(snap, "llm_requests_finished_total", reason="abort") == \
+        metric(before, "llm_requests_finished_total", reason="abort") + 1
+    return snap
+
+
+def test_ensemble_stream_cancel_plus_explicit_abort(triton_server):
+    before = _idle(triton_server)
+    s, res = _start(triton_server, "llm", text="Tell me everything about 长城 🏯")
+    assert metric(scrape(triton_server), "llm_num_requests_running") == 1
+    t0 = time.monotonic()
+    s.close(cancel=True)
+    ctrl = abort(triton_server, res.request_id)
+    assert ctrl.error is None and ctrl.finals == 1 and ctrl.finish_reason == "abort"
+    _freed_within_one_second(triton_server, before, t0)
+
+
+def test_ensemble_explicit_abort_ends_the_stream_with_abort(triton_server):
+    before = _idle(triton_server)
+    s, res = _start(triton_server, "llm", text="Count to a thousand:")
+    try:
+        t0 = time.monotonic()
+        ctrl = abort(triton_server, res.request_id)
+        assert ctrl.finish_reason == "abort"
+        s.collect(res, timeout=10)
+        assert res.error is None and res.finals == 1 and res.finish_reason == "abort"
+        assert 5 <= res.choices[0].final["completion_tokens"] < LONG["max_tokens"]
+    finally:
+        s.close()
+    _freed_within_one_second(triton_server, before, t0)
+
+
+def test_engine_direct_stream_cancel(triton_server):
+    before = _idle(triton_server)
+    s, _ = _start(triton_server, "engine", input_ids=[5, 6, 7, 8, 9, 10])
+    t0 = time.monotonic()
+    s.close(cancel=True)                 # no explicit abort: is_cancelled() reaches the engine
+    _freed_within_one_second(triton_server, before, t0)
+
+
+def test_abort_before_the_request_arrives(triton_server):
+    """An abort that overtakes its request (still in preprocessing) is remembered for it."""
+    rid = "early-" + uuid.uuid4().hex
+    ctrl = abort(triton_server, rid)
+    assert ctrl.error is None and ctrl.finals == 1 and ctrl.finish_reason == ""
+    res = generate(triton_server, "llm", text="never runs", request_id=rid, **LONG)
+    assert res.error is None and res.finals == 1
+    assert res.finish_reason == "abort" and res.choices[0].ids == []
+
+
+def test_abort_after_finish_is_a_no_op(triton_server):
+    rid = "done-" + uuid.uuid4().hex
+    first = generate(triton_server, "llm", text="short", request_id=rid, max_tokens=3, temperature=0.0)
+    assert first.finish_reason in ("stop", "length")
+    assert abort(triton_server, rid).finish_reason == ""
+    again = generate(triton_server, "llm", text="short", request_id=rid, max_tokens=3, temperature=0.0)
+    assert again.text == first.text and again.finish_reason == first.finish_reason
