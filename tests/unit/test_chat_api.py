@@ -65,8 +65,8 @@ def reply(http, conv, parent, text, **extra):
 def test_page_and_static_files(http):
     page = http.get("/")
     assert page.status_code == 200 and "text/html" in page.headers["content-type"]
-    assert '<script src="/static/chat/app.js">' in page.text
-    for name in ("app.js", "style.css"):
+    assert '<script type="module" src="/static/chat/app.js">' in page.text
+    for name in ("app.js", "api.js", "stream.js", "style.css"):
         assert http.get(f"/static/chat/{name}").status_code == 200
     assert "http://" not in page.text and "https://" not in page.text   # no CDN
 

@@ -1,9 +1,9 @@
 // triton-llm chat page: conversations and branches come from /api (client/chat/router.py);
-// replies stream from the shim's POST /v1/chat/completions (SSE over fetch + ReadableStream).
-"use strict";
+// replies stream from the shim's POST /v1/chat/completions (stream.js).
+import {api, apiKey, convPath, headers, setApiKey, setUnauthorizedHandler} from "./api.js";
+import {liveStats, newReply, streamReply} from "./stream.js";
 
 const $ = (id) => document.getElementById(id);
-const KEY_STORAGE = "triton-llm.api-key";
 const CONV_STORAGE = "triton-llm.conversation";
 
 const state = {
@@ -15,48 +15,6 @@ const state = {
   stream: null,       // the reply being generated (one at a time)
   editing: null,      // id of the user message being edited
 };
-
-// ---------------------------------------------------------------------------------- HTTP helpers
-class ApiError extends Error {
-  constructor(status, message) { super(message); this.status = status; }
-}
-
-function apiKey() { return localStorage.getItem(KEY_STORAGE) || ""; }
-
-function headers(json = true) {
-  const h = {};
-  if (json) h["Content-Type"] = "application/json";
-  const key = apiKey();
-  if (key) h["Authorization"] = "Bearer " + key;
-  return h;
-}
-
-async function errorMessage(res) {
-  const text = await res.text();
-  try {
-    const body = JSON.parse(text);
-    const e = body.error || (body.detail && body.detail.error) || body.detail;
-    if (typeof e === "string") return e;
-    if (e && e.message) return e.message;
-  } catch (_) { /* not JSON */ }
-  return text || `${res.status} ${res.statusText}`;
-}
-
-async function api(method, path, body) {
-  const res = await fetch(path, {
-    method, headers: headers(body !== undefined),
-    body: body === undefined ? undefined : JSON.stringify(body),
-  });
-  if (res.status === 401) {
-    const msg = await errorMessage(res);
-    setKeyStatus(false, msg);
-    throw new ApiError(401, msg);
-  }
-  if (!res.ok) throw new ApiError(res.status, await errorMessage(res));
-  return res.status === 204 ? null : res.json();
-}
-
-const convPath = (id, rest = "") => `/api/conversations/${encodeURIComponent(id)}${rest}`;
 
 // ------------------------------------------------------------------------------------- UI bits
 function el(tag, attrs = {}, ...children) {
@@ -361,66 +319,6 @@ function paintStream(s) {
   });
 }
 
-async function* sseEvents(res) {
-  const reader = res.body.getReader();
-  const decoder = new TextDecoder();
-  let buf = "";
-  for (;;) {
-    const {value, done} = await reader.read();
-    if (done) break;
-    buf += decoder.decode(value, {stream: true});
-    let cut;
-    while ((cut = buf.search(/\r?\n\r?\n/)) >= 0) {
-      const block = buf.slice(0, cut);
-      buf = buf.slice(cut + (buf[cut] === "\r" ? 4 : 2));
-      const data = block.split(/\r?\n/).filter((l) => l.startsWith("data:"))
-        .map((l) => l.slice(5).replace(/^ /, "")).join("\n");
-      if (!data) continue;
-      if (data === "[DONE]") return;
-      yield JSON.parse(data);
-    }
-  }
-}
-
-function onChunk(s, c) {
-  if (c.error) throw new ApiError(500, c.error.message || "the stream failed");
-  for (const ch of c.choices || []) {
-    const d = ch.delta && ch.delta.content;
-    if (d) {
-      const now = performance.now();
-      if (s.tFirst === null) s.tFirst = now;
-      s.tLast = now;
-      s.content += d;
-      s.chunks += 1;
-    }
-    if (ch.finish_reason) s.finish = ch.finish_reason;
-  }
-  if (c.usage) s.usage = c.usage;
-  if (c.triton_llm) s.server = c.triton_llm;
-  paintStream(s);
-}
-
-function liveStats(s) {
-  const u = s.usage || {};
-  const completion = u.completion_tokens ?? s.chunks;
-  const end = s.tLast ?? performance.now();
-  // Decode rate between the first and last token; when they arrived in one burst (a short reply,
-  // a busy network path) that window means nothing, so fall back to the rate over the whole reply.
-  let tps = null;
-  if (s.tFirst !== null && completion > 1 && end - s.tFirst >= 50) tps = (completion - 1) / ((end - s.tFirst) / 1000);
-  else if (completion > 0 && end > s.t0) tps = completion / ((end - s.t0) / 1000);
-  return {
-    prompt_tokens: u.prompt_tokens ?? null,
-    completion_tokens: completion,
-    approx_tokens: !s.usage,                 // a stopped stream has no usage chunk: chunks counted
-    cached_tokens: (u.prompt_tokens_details && u.prompt_tokens_details.cached_tokens) ?? null,
-    ttft_ms: s.tFirst === null ? null : s.tFirst - s.t0,
-    tokens_per_s: tps,
-    total_ms: end - s.t0,
-    server: s.server,
-  };
-}
-
 async function generate(userId, ctx) {
   if (state.stream) return;
   const convId = state.current.conversation.id;
@@ -428,21 +326,16 @@ async function generate(userId, ctx) {
                 summarized_turns: ctx.summarized_turns, kept_turns: ctx.kept_turns,
                 prompt_tokens: ctx.prompt_tokens, max_tokens: ctx.max_tokens,
                 max_model_len: ctx.max_model_len, at: Date.now() / 1000};
-  const s = {convId, parentId: userId, note, content: "", chunks: 0, usage: null, server: null,
-             finish: null, stopped: false, controller: new AbortController(),
-             t0: performance.now(), tFirst: null, tLast: null};
+  const s = newReply({convId, parentId: userId, note});
   state.stream = s;
   renderList();
   render();
   scrollToBottom();
   let error = null;
   try {
-    const body = {model: state.model, messages: ctx.messages, stream: true,
-                  stream_options: {include_usage: true}, max_tokens: ctx.max_tokens, ...(ctx.params || {})};
-    const res = await fetch("/v1/chat/completions", {method: "POST", headers: headers(),
-                                                      body: JSON.stringify(body), signal: s.controller.signal});
-    if (!res.ok) throw new ApiError(res.status, await errorMessage(res));
-    for await (const chunk of sseEvents(res)) onChunk(s, chunk);
+    await streamReply(s, {model: state.model, messages: ctx.messages, stream: true,
+                          stream_options: {include_usage: true}, max_tokens: ctx.max_tokens,
+                          ...(ctx.params || {})}, paintStream);
   } catch (e) {
     if (e.name === "AbortError" || s.stopped) s.stopped = true; else error = e;
   }
@@ -567,10 +460,11 @@ function autosize() {
 // ------------------------------------------------------------------------------------- wiring
 function init() {
   state.emptyEl = $("empty");
+  setUnauthorizedHandler((msg) => setKeyStatus(false, msg));
   $("api-key").value = apiKey();
   $("api-key").addEventListener("change", (ev) => {
     const key = ev.target.value.trim();
-    if (key) localStorage.setItem(KEY_STORAGE, key); else localStorage.removeItem(KEY_STORAGE);
+    setApiKey(key);
     loadAll();
   });
   $("new-chat").addEventListener("click", () => guarded(newConversation));
