@@ -20,7 +20,12 @@ def chat_text(r) -> str:
 
 
 def test_chat_non_streaming(sdk):
-    r = sdk.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, **GREEDY)
+    raw = sdk.chat.completions.with_raw_response.create(model=MODEL, messages=CHAT, max_tokens=12, **GREEDY)
+    r = raw.parse()
+    h = raw.headers
+    assert h["x-request-id"] == r.id and float(h["x-triton-llm-queue-time"]) >= 0
+    assert float(h["x-triton-llm-e2e"]) > 0 and int(h["x-triton-llm-cached-tokens"]) >= 0
+    assert int(h["x-triton-llm-preemptions"]) == 0
     assert r.object == "chat.completion" and r.model == MODEL and len(r.choices) == 1
     assert r.choices[0].message.role == "assistant" and isinstance(chat_text(r), str)
     assert r.choices[0].finish_reason in ("stop", "length")
