@@ -98,14 +98,15 @@ def part_attention(deadline: float) -> None:
         # SDPA on KV already gathered into dense [B, H, S, D] (a floor for dense attention).
         t_sdpa = None
         if len(set(q_lens)) == 1 and len(set(seq_lens)) == 1:
-            nb, ql, sl = len(q_lens), q_lens[0], seq_lens[0]
+            nb = b["seq_lens"].numel()
+            ql, sl = b["query"].shape[0] // nb, int(b["seq_lens"][0])
             ids = b["block_tables"].long().flatten()
             k = b["k_cache"][ids].view(nb, -1, 8, 128)[:, :sl].transpose(1, 2).contiguous()
             v = b["v_cache"][ids].view(nb, -1, 8, 128)[:, :sl].transpose(1, 2).contiguous()
             k, v = k.repeat_interleave(4, 1), v.repeat_interleave(4, 1)
             q = b["query"].view(nb, ql, 32, 128).transpose(1, 2)
             t_sdpa = _bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=ql > 1))
-        kv_bytes = sum(seq_lens) * 8 * 128 * 2 * 2
+        kv_bytes = int(b["seq_lens"].sum()) * 8 * 128 * 2 * 2
         result(part="attention", event="time", shape=name, triton_ms=t_triton, ref_ms=t_ref,
                sdpa_dense_ms=t_sdpa, triton_kv_GBps=kv_bytes / t_triton / 1e6)
 
