@@ -3,8 +3,13 @@
 Each streamed response carries ``window_ids`` = a few already-sent tokens for context followed by
 the new ones, and ``num_sent`` = how many of the window were already sent. The delta is::
 
-    emitted(k) = decode(window[:k]) without a trailing U+FFFD (an incomplete character)
+    emitted(k) = decode(window[:j]) for the largest j in [k - 3, k] whose text does not end in
+                 U+FFFD (an incomplete character), else decode(window[:k - 3])
     delta      = emitted(len(window))[len(emitted(num_sent)):]
+
+Holding back whole tokens, at most three, rather than trailing U+FFFD characters matters: invalid
+bytes make permanent U+FFFD, and a run of them must not be held forever. A UTF-8 character has at
+most 4 bytes, so text still ending in U+FFFD three tokens later is permanent and is emitted.
 
 Both decodes start at the same token, so whatever the first token does to the text (a partial
 character, a stripped leading space) cancels out. On the final response a trailing U+FFFD is kept,
@@ -15,9 +20,10 @@ from __future__ import annotations
 
 from typing import Any
 
-# A character is at most 4 bytes, so 4 tokens before the first held-back token always start
-# before it; one more for a leading-space quirk of the window's first token.
-CONTEXT_TOKENS = 5
+# At most MAX_HELD_TOKENS tokens are ever held back; the window reaches further back than that so
+# both decodes share a clean start (a character is at most 4 bytes).
+MAX_HELD_TOKENS = 3
+CONTEXT_TOKENS = 6
 REPLACEMENT = "\ufffd"
 
 
@@ -33,7 +39,13 @@ def _decode(tokenizer: Any, ids: list[int], skip_special_tokens: bool) -> str:
 
 def _emitted(tokenizer: Any, ids: list[int], final: bool, skip_special_tokens: bool) -> str:
     text = _decode(tokenizer, ids, skip_special_tokens)
-    return text if final else text.rstrip(REPLACEMENT)
+    if final:
+        return text
+    for cut in range(1, min(MAX_HELD_TOKENS, len(ids)) + 1):
+        if not text.endswith(REPLACEMENT):
+            break
+        text = _decode(tokenizer, ids[:len(ids) - cut], skip_special_tokens)
+    return text
 
 
 def decode_delta(tokenizer: Any, window_ids: list[int], num_sent: int, *, final: bool = False,

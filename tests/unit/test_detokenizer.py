@@ -53,6 +53,16 @@ def test_incomplete_character_is_held_until_complete(tok):
     assert decode_delta(tok, ids, 0) == "𝄞"
 
 
+def test_a_run_of_invalid_bytes_streams_exactly(tok):
+    """Lone continuation bytes decode to permanent U+FFFD: a long run must not be swallowed."""
+    text_ids = tok.encode("50 合并", add_special_tokens=False)
+    lone = tok.convert_tokens_to_ids("\u00a3")  # byte 0xA3 alone, never valid
+    ids = text_ids[:1] + [lone] * 7 + text_ids[1:] + [lone] * 2
+    assert tok.decode(ids).count("\ufffd") == 9
+    for chunk in (1, 2, 3):
+        assert stream(tok, ids, [chunk] * len(ids)) == tok.decode(ids)
+
+
 def test_final_keeps_trailing_replacement_like_full_decode(tok):
     ids = tok.encode("ab𝄞", add_special_tokens=False)[:-1]  # ends mid-character
     assert stream(tok, ids, [1] * len(ids)) == tok.decode(ids)
@@ -67,3 +77,14 @@ def test_special_tokens_are_skipped(tok):
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     ids = tok.encode("done", add_special_tokens=False) + [eos]
     assert decode_delta(tok, ids, 0, final=True) == "done"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_token_soup_streams_exactly(tok, seed):
+    """Arbitrary ids (byte tokens, partial characters, specials) as a random model emits them."""
+    rng = random.Random(seed)
+    vocab = tok.backend_tokenizer.get_vocab_size()
+    lone_bytes = list(range(3, 260))  # single-byte tokens sit at the start of the vocabulary
+    ids = [rng.choice(lone_bytes) if rng.random() < 0.5 else rng.randrange(vocab) for _ in range(80)]
+    chunks = [rng.choice([1, 1, 2, 4]) for _ in range(len(ids))]
+    assert stream(tok, ids, chunks) == tok.decode(ids, clean_up_tokenization_spaces=False)
