@@ -91,7 +91,7 @@ class Sampler:
             probs = torch.softmax(x, dim=-1)
             thresh = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
             x = x.masked_fill(probs < thresh, float("-inf"))
-        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        if any(0 < p.top_k < x.shape[1] or p.top_p < 1.0 for p in params):
             x = self._top_k_top_p(x, params)
         probs = torch.softmax(x, dim=-1)
         q = torch.empty_like(probs)
@@ -114,8 +114,8 @@ class Sampler:
         k = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in params], device=x.device)
         kth = sorted_x.gather(1, (V - k)[:, None])            # the k-th largest value per row
         sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
-        top_p = torch.tensor([p.top_p for p in params], device=x.device, dtype=x.dtype)
-        if bool((top_p < 1.0).any()):
+        if any(p.top_p < 1.0 for p in params):
+            top_p = torch.tensor([p.top_p for p in params], device=x.device, dtype=x.dtype)
             cum = torch.softmax(sorted_x, dim=-1).cumsum(dim=-1)
             drop = cum <= (1.0 - top_p)[:, None]               # the low tail outside top-p mass
             drop[:, -1] = False                                # always keep the best token
