@@ -71,7 +71,7 @@ class TorchAttention(AttentionBackend):
         split = meta.cache.get("torch_split")
         if split is None:
             split = meta.cache["torch_split"] = self._split(meta, k_cache.shape[1],
-                                                            query.shape[1] * query.shape[2] * query.element_size(),
+                                                            query.shape[1] * query.shape[2] * 4,  # fp32 math
                                                             query.device)
         out = torch.empty_like(query)
         if split.decode is not None:
