@@ -96,8 +96,21 @@ def test_unsupported_configs_are_rejected(bad, match):
 def test_v4_layout_checkpoint_matches_hf(tmp_path):
     path = copy_with_config(model_dir("tiny"), tmp_path / "v4", to_v4)
     assert "rope_parameters" not in json.loads((path / "config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 5}))
+    assert ModelRunner(str(path), EngineArgs(num_kv_blocks=2)).info.eos_token_ids == [5, 2]
     ours, ref = logits_vs_hf(path)
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+
+
+def test_mistral_checkpoint_matches_hf(tmp_path):
+    """Mistral's tensors are named like Llama's; its window (longer than this test) changes nothing."""
+    def edit(cfg):
+        cfg.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=512)
+        cfg.pop("attention_bias"), cfg.pop("mlp_bias"), cfg.pop("pretraining_tp")
+    path = copy_with_config(model_dir("tiny"), tmp_path / "mistral", edit)
+    ours, ref = logits_vs_hf(path)
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+    assert ModelRunner(str(path), EngineArgs(num_kv_blocks=2)).info.max_model_len == 512
 
 
 @pytest.mark.parametrize("layout", ["v4", "v5"])
