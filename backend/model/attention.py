@@ -1,9 +1,9 @@
 """Attention backends: write this step's K/V into the paged pool, then attend through block tables.
 
-Both backends call the same keyword-only functions from ``kernels/`` (shapes in
-``kernels/reference.py``)::
+Both backends call the keyword-only functions of ``kernels/`` (shapes in ``kernels/reference.py``)::
 
-    TorchAttention   kernels.reference.store_kv_cache_ref + paged_attention_ref   (CPU default)
+    TorchAttention   kernels.reference.store_kv_cache_ref + paged_attention_ref   (CPU default;
+                     decodes take the faster backend/model/decode_attention.py)
     TritonAttention  kernels.store_kv_cache + kernels.paged_attention              (CUDA, or CPU
                                                                                     under TRITON_INTERPRET=1)
 
@@ -30,10 +30,6 @@ class AttentionMetadata:
     max_seq_len: int = 0
     # Backend-private per-step data computed on the first layer and reused by the others.
     cache: dict = field(default_factory=dict, repr=False)
-
-    @property
-    def decode_only(self) -> bool:
-        return self.max_seqlen_q == 1
 
 
 class AttentionBackend:
