@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import os
 import pathlib
+import json
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -26,6 +28,9 @@ from backend.serving.install import backend_directory, find_tritonserver, server
 from backend.serving.repository import TEMPLATES, generate_repository, parse_engine_options
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+ADMIN_HEADER = "triton-llm-admin"
+SERVE_DRAIN_SECONDS = 60          # open streams may finish for this long after SIGTERM
+HEALTH_INTERVAL = 5.0
 
 
 class ServerStartError(RuntimeError):
@@ -82,26 +87,41 @@ def _die_with_parent() -> None:
         pass
 
 
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
 def terminate_group(proc: subprocess.Popen, timeout: float = 15.0) -> None:
-    """SIGTERM the process group of ``proc``, SIGKILL what is left after ``timeout`` seconds."""
+    """Stop ``proc`` and everything in its process group.
+
+    SIGTERM goes to the leader alone first: tritonserver then drains open requests and stops its
+    Python-backend stubs itself (a stub signalled directly would die mid-stream). Whatever is left
+    after ``timeout`` seconds, or after the leader exited, gets SIGTERM and then SIGKILL.
+    """
     pgid = proc.pid
     try:
-        os.killpg(pgid, signal.SIGTERM)
+        proc.send_signal(signal.SIGTERM)
     except ProcessLookupError:
         pass
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        proc.poll()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass
+    for sig, grace in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 2.0)):
+        if not _group_alive(pgid):
+            break
         try:
-            os.killpg(pgid, 0)          # anyone left in the group (the stubs outlive the server briefly)?
+            os.killpg(pgid, sig)
         except ProcessLookupError:
             break
-        time.sleep(0.05)
-    else:
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and _group_alive(pgid):
+            proc.poll()
+            time.sleep(0.05)
     try:
         proc.wait(timeout=5)
     except subprocess.TimeoutExpired:
@@ -116,7 +136,8 @@ class TritonServer:
                  metrics_port: int | None = None, engine_options: list[str] | dict | None = None,
                  models: list[str] | None = None, instances: dict[str, int] | None = None,
                  workdir: str | os.PathLike | None = None, repository_src: str | os.PathLike = TEMPLATES,
-                 startup_timeout: float = 180.0, log_verbose: int = 0, quiet: bool = False) -> None:
+                 startup_timeout: float = 180.0, log_verbose: int = 0, quiet: bool = False,
+                 exit_timeout: int = 10) -> None:
         self.model_dir = pathlib.Path(model_dir)
         self.host = host
         self.http_port = http_port or free_port()
@@ -131,8 +152,10 @@ class TritonServer:
         self.startup_timeout = startup_timeout
         self.log_verbose = log_verbose
         self.quiet = quiet
+        self.exit_timeout = exit_timeout      # tritonserver waits this long for open requests on SIGTERM
         self.log_path = self.workdir / "tritonserver.log"
         self.proc: subprocess.Popen | None = None
+        self._admin_key = secrets.token_hex(16)
 
     # -- addresses -------------------------------------------------------------------------------
     @property
@@ -171,7 +194,12 @@ class TritonServer:
             "--allow-metrics=true", "--allow-gpu-metrics=false",
             f"--log-verbose={self.log_verbose}",
             "--exit-on-error=true", "--strict-readiness=true",
-            "--exit-timeout-secs=10",
+            f"--exit-timeout-secs={self.exit_timeout}",
+            # Explicit model control only so drain() can unload models (in-flight requests finish,
+            # new ones are refused); the repository API is locked behind a per-run admin key.
+            "--model-control-mode=explicit", "--load-model=*",
+            f"--http-restricted-api=model-repository:{ADMIN_HEADER}={self._admin_key}",
+            f"--grpc-restricted-protocol=model-repository:{ADMIN_HEADER}={self._admin_key}",
         ]
 
     def start(self) -> "TritonServer":
@@ -232,10 +260,52 @@ class TritonServer:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def stop(self) -> None:
+    def engine_healthy(self) -> bool | None:
+        """The engine model's ``llm_engine_healthy`` gauge (None when it cannot be read)."""
+        try:
+            with urllib.request.urlopen(self.metrics_url, timeout=2.0) as r:
+                text = r.read().decode()
+        except (urllib.error.URLError, OSError):
+            return None
+        m = re.search(r"^llm_engine_healthy\{[^}]*\}\s+(\S+)$", text, re.M)
+        return None if m is None else float(m.group(1)) > 0
+
+    def _admin(self, path: str, body: dict | None = None) -> object:
+        req = urllib.request.Request(f"http://{self.http_url}{path}", method="POST",
+                                     data=json.dumps(body or {}).encode(),
+                                     headers={ADMIN_HEADER: self._admin_key, "Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            text = r.read().decode()
+        return json.loads(text) if text else None
+
+    def drain(self, timeout: float = 60.0, models: tuple[str, ...] = ("llm", "engine")) -> bool:
+        """Refuse new generation requests and wait (up to ``timeout``) for open ones to finish.
+
+        Unloading a model makes Triton refuse new requests for it while requests already in flight
+        complete normally (the front ends stay up, so streams keep flowing). True when drained.
+        """
+        if not self.alive():
+            return True
+        try:
+            loaded = {m["name"] for m in self._admin("/v2/repository/index", {"ready": True})}
+            targets = [m for m in models if m in loaded]
+            for m in targets:
+                self._admin(f"/v2/repository/models/{m}/unload")
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline and self.alive():
+                index = {m["name"]: m.get("state", "") for m in self._admin("/v2/repository/index")}
+                if all(index.get(m) == "UNAVAILABLE" for m in targets):
+                    return True
+                time.sleep(0.2)
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            self._say(f"drain failed: {exc}")
+        return False
+
+    def stop(self, grace: float | None = None) -> None:
+        """SIGTERM; after ``grace`` seconds (default: the exit timeout + 15) SIGKILL what is left."""
         if self.proc is None:
             return
-        terminate_group(self.proc)
+        terminate_group(self.proc, timeout=self.exit_timeout + 15 if grace is None else grace)
         self.proc = None
         if self._own_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
@@ -294,8 +364,9 @@ def serve_main(args) -> int:
     signal.signal(signal.SIGTERM, on_sigterm)
     server = TritonServer(args.model, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
                           metrics_port=args.metrics_port, engine_options=args.engine_option,
-                          workdir=workdir)
+                          workdir=workdir, exit_timeout=SERVE_DRAIN_SECONDS)
     shim = None
+    stop_grace = None
     try:
         server.start()
         shim = start_shim(args, server, workdir)
@@ -305,6 +376,7 @@ def serve_main(args) -> int:
             host = "127.0.0.1" if args.host in ("0.0.0.0", "") else args.host
             print(f"OpenAI API    http://{host}:{args.shim_port}/v1   (log: {workdir / 'shim.log'})")
         print("Ctrl-C to stop.", flush=True)
+        next_health = time.monotonic() + HEALTH_INTERVAL
         while True:
             if not server.alive():
                 print(f"tritonserver exited; last lines of {server.log_path}:\n{log_tail(server.log_path)}",
@@ -314,9 +386,24 @@ def serve_main(args) -> int:
                 print(f"the shim exited; last lines of {workdir / 'shim.log'}:\n{log_tail(workdir / 'shim.log')}",
                       file=sys.stderr)
                 return 1
+            if time.monotonic() >= next_health:
+                next_health = time.monotonic() + HEALTH_INTERVAL
+                if server.engine_healthy() is False:
+                    # The model cannot flip Triton's readiness; exiting lets a supervisor restart us.
+                    print("[triton-llm] the engine loop died (llm_engine_healthy 0); stopping so a "
+                          f"supervisor can restart the server. Log: {server.log_path}", file=sys.stderr)
+                    return 1
             time.sleep(0.5)
     except KeyboardInterrupt:
-        print("\n[triton-llm] stopping", file=sys.stderr)
+        print(f"\n[triton-llm] draining open requests (up to {SERVE_DRAIN_SECONDS}s), then stopping",
+              file=sys.stderr)
+        try:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)   # a second Ctrl-C would orphan the drain
+            drained = server.drain(SERVE_DRAIN_SECONDS)
+            stop_grace = 10.0 if drained else 5.0   # what is left now is stuck (e.g. an idle client stream)
+        finally:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         return 0
     except (ServerStartError, ValueError, FileNotFoundError) as exc:
         print(f"[triton-llm] error: {exc}", file=sys.stderr)
@@ -325,4 +412,4 @@ def serve_main(args) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         if shim is not None:
             terminate_group(shim, timeout=5)
-        server.stop()
+        server.stop(grace=stop_grace)
