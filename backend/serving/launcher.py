@@ -191,7 +191,7 @@ class TritonServer:
             f"--http-address={self.host}", f"--http-port={self.http_port}",
             f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
             f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
-            "--allow-metrics=true", "--allow-gpu-metrics=false",
+            "--allow-metrics=true",
             f"--log-verbose={self.log_verbose}",
             "--exit-on-error=true", "--strict-readiness=true",
             f"--exit-timeout-secs={self.exit_timeout}",
@@ -200,7 +200,7 @@ class TritonServer:
             "--model-control-mode=explicit", "--load-model=*",
             f"--http-restricted-api=model-repository:{ADMIN_HEADER}={self._admin_key}",
             f"--grpc-restricted-protocol=model-repository:{ADMIN_HEADER}={self._admin_key}",
-        ]
+        ] + (["--allow-gpu-metrics=false"] if install.wheel_root is not None else [])
 
     def start(self) -> "TritonServer":
         if self.proc is not None:

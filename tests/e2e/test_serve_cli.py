@@ -1,0 +1,63 @@
+"""``triton-llm serve``: endpoints printed when ready; SIGTERM drains open streams, leaves nothing."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import pytest
+
+from backend.serving.launcher import free_port
+from tests.conftest import ROOT, model_dir
+from tests.e2e.helpers import Result, Stream, make_inputs
+
+pytestmark = pytest.mark.e2e
+
+
+class _Addr:
+    def __init__(self, grpc_port: int):
+        self.grpc_url = f"127.0.0.1:{grpc_port}"
+
+
+def test_serve_prints_endpoints_and_drains_on_sigterm(tmp_path):
+    http, grpc, metrics = free_port(), free_port(), free_port()
+    workdir = tmp_path / "serve"
+    cmd = [sys.executable, "-m", "backend.cli", "serve", "--model", str(model_dir("tiny")),
+           "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
+           "--shim-port", "0", "--workdir", str(workdir),
+           "--engine-option", "num_kv_blocks=128", "--engine-option", "num_threads=1"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not any("Ctrl-C to stop" in line for line in lines):
+            assert proc.poll() is None, "".join(lines)
+            assert time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.2)
+        out = "".join(lines)
+        assert f"grpc 127.0.0.1:{grpc}" in out and f"http://127.0.0.1:{metrics}/metrics" in out
+
+        s = Stream(_Addr(grpc))
+        res = Result(uuid.uuid4().hex)
+        s.send("llm", make_inputs(text="drain me"), res.request_id,
+               dict(max_tokens=200, temperature=0.0, ignore_eos=True))
+        s.collect(res, until_responses=2, timeout=60)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        s.collect(res, timeout=60)                  # the open stream runs to its end
+        s.close()
+        assert res.error is None and res.finals == 1
+        assert res.finish_reason == "length" and len(res.ids) == 200
+        assert proc.wait(timeout=60) == 0
+        assert time.monotonic() - t0 < 45
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    left = subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True, text=True).stdout.split()
+    assert left == [], f"processes left behind: {left}"
