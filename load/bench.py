@@ -27,7 +27,7 @@ import time
 from load.backends import Backend, EngineBackend, GrpcBackend, ShimBackend
 from load.counters import work_delta
 from load.runner import run_jobs
-from load.stack import ROOT, Stack, parse_options, resolve_model
+from load.stack import ROOT, Stack, engine_options, resolve_model
 from load.summary import format_summary, json_safe, summarize
 from load.workloads import WORKLOADS, Turn, Job, WorkloadSpec, make_workload
 
@@ -95,7 +95,7 @@ async def warm_up(backend: Backend, n: int) -> None:
 
 def make_backend(args, stack: Stack | None) -> Backend:
     if args.backend == "engine":
-        return EngineBackend(resolve_model(args.model), parse_options(args.engine_option))
+        return EngineBackend(resolve_model(args.model), engine_options(args.model, args.engine_option))
     metrics = args.metrics_url or (stack.metrics_url if stack else None)
     if args.backend == "http":
         return ShimBackend(args.url or stack.shim_url, api_key=args.api_key, metrics_url=metrics)
@@ -122,7 +122,7 @@ async def run_benchmark(args) -> dict:
         if args.start_stack:
             if args.backend == "engine":
                 raise ValueError("--start-stack is for the http and grpc backends")
-            stack = ctx.enter_context(Stack(resolve_model(args.model), parse_options(args.engine_option),
+            stack = ctx.enter_context(Stack(resolve_model(args.model), engine_options(args.model, args.engine_option),
                                             shim=args.backend == "http"))
         elif args.backend != "engine" and not args.url:
             raise ValueError("give --url of a running server, or --start-stack")

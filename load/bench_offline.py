@@ -1,10 +1,12 @@
 """Offline throughput, side by side in one run, for each model:
 
-    engine   our LLM(...).generate over all requests (continuous batching, paged KV)
-    hf-seq   Hugging Face ``generate`` one request at a time (a seeded sample, extrapolated)
+    engine   our LLM(...).generate over all requests (continuous batching, paged KV; the
+             preset's benchmark options from load/stack.py, e.g. a KV pool that never preempts)
+    hf-seq   Hugging Face ``generate`` one request at a time (a seeded sample of 32, extrapolated)
     static   naive static batching: groups of 16 in arrival order, left-padded, every group decodes
              until its longest request is done (HF ``generate`` on the batch with
-             min_new_tokens = max_new_tokens = the group's longest output)
+             min_new_tokens = max_new_tokens = the group's longest output); a seeded sample of 8
+             of the 16 groups, extrapolated (HF on 2 CPU cores needs minutes per model otherwise)
 
     python -m load.bench_offline --models bench-15m bench-110m
 
@@ -24,7 +26,7 @@ import random
 import sys
 import time
 
-from load.stack import ROOT, parse_options, resolve_model
+from load.stack import ROOT, engine_options, resolve_model
 from load.summary import json_safe
 
 RESULTS = ROOT / "load" / "results"
@@ -150,7 +152,7 @@ def bench_model(name: str, args) -> dict:
     hf_sample = sorted(rng.sample(range(len(reqs)), min(args.hf_sample, len(reqs))))
     n_groups = math.ceil(len(reqs) / GROUP)
     static_groups = sorted(rng.sample(range(n_groups), min(args.static_groups, n_groups)))
-    options = {"num_threads": args.threads, **parse_options(args.engine_option)}
+    options = {"num_threads": args.threads, **engine_options(name, args.engine_option)}
     options = {k: (int(v) if str(v).isdigit() else v) for k, v in options.items() if v is not None}
 
     print(f"[{name}] engine: {len(reqs)} requests", flush=True)
@@ -197,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hf-sample", type=int, default=32, help="requests HF runs one by one (extrapolated)")
-    p.add_argument("--static-groups", type=int, default=16, help="static groups of 16 run (extrapolated)")
+    p.add_argument("--static-groups", type=int, default=8,
+                   help="seeded sample of the 16 static groups that runs (extrapolated by tokens)")
     p.add_argument("--threads", type=int, default=None, help="torch threads for every contender")
     p.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--out", default=str(RESULTS / "offline.json"))

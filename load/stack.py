@@ -10,6 +10,16 @@ import pathlib
 import types
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+MiB = 1024 * 1024
+# Benchmark engine options per preset: KV pools large enough that 64 streams of the documented
+# workloads never preempt; everything else is EngineArgs' default.
+MODEL_OPTIONS = {"bench-15m": {"kv_cache_memory": 512 * MiB, "max_num_seqs": 64},
+                 "bench-110m": {"kv_cache_memory": 2048 * MiB, "max_num_seqs": 64}}
+
+
+def engine_options(model: str, extra: list[str] | None = None) -> dict:
+    """The preset's benchmark options, overridden by KEY=VALUE items."""
+    return {**MODEL_OPTIONS.get(pathlib.Path(model).name, {}), **parse_options(extra)}
 
 
 def resolve_model(name_or_dir: str) -> pathlib.Path:

@@ -24,20 +24,12 @@ from load.backends import Backend, EngineBackend, GrpcBackend, ShimBackend
 from load.bench import bench_point as _bench_point
 from load.bench import warm_up
 from load.counters import bucket_quantile, histogram_buckets
-from load.stack import ROOT, Stack, parse_options, resolve_model
+from load.stack import ROOT, Stack, engine_options, resolve_model
 from load.summary import json_safe
 from load.workloads import WorkloadSpec, make_workload
 
 RESULTS = ROOT / "load" / "results"
 IMG = ROOT / "docs" / "img"
-MiB = 1024 * 1024
-# KV pools large enough that 64 streams of these workloads never preempt; the rest are defaults.
-MODEL_OPTIONS = {"bench-15m": {"kv_cache_memory": 512 * MiB, "max_num_seqs": 64},
-                 "bench-110m": {"kv_cache_memory": 2048 * MiB, "max_num_seqs": 64}}
-
-
-def engine_options(model: str, extra: list[str]) -> dict:
-    return {**MODEL_OPTIONS.get(model, {}), **parse_options(extra)}
 
 
 @contextlib.asynccontextmanager
