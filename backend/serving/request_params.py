@@ -147,6 +147,7 @@ def request_settings(params: dict) -> RequestSettings:
         else:
             kwargs[name] = _as_list(name, v)
     kwargs["logprobs"] = _logprobs(p)
+    kwargs.setdefault("max_tokens", None)   # omitted: the rest of the context (OpenAI semantics)
     try:
         sampling = SamplingParams(**kwargs)
     except (ValueError, TypeError) as exc:
