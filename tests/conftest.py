@@ -29,3 +29,44 @@ def tiny_model() -> pathlib.Path:
 @pytest.fixture(scope="session")
 def tiny_qwen2_model() -> pathlib.Path:
     return model_dir("tiny-qwen2")
+
+
+# --- the real server, shared by tests/e2e and tests/browser -----------------------------------
+# One tritonserver per test session for the ``tiny`` checkpoint, loopback ports picked at random:
+#
+#     def test_something(triton_server):          # a started backend.serving.TritonServer
+#         client = grpcclient.InferenceServerClient(triton_server.grpc_url)
+#
+# ``.metrics_url``, ``.http_url`` and ``.model_dir`` are there too. Tests that need different
+# engine options start their own ``TritonServer`` (a context manager) rather than changing this one.
+
+# Small and fast on 2 CPU cores; still enough KV blocks for 16 concurrent streams.
+E2E_ENGINE_OPTIONS = {"num_kv_blocks": "256", "block_size": "16", "max_num_seqs": "32",
+                      "max_num_batched_tokens": "512", "num_threads": "1"}
+
+
+def _tritonserver_available() -> bool:
+    from backend.serving.install import find_tritonserver
+
+    try:
+        find_tritonserver()
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _tritonserver_available():
+        return
+    skip = pytest.mark.skip(reason="tritonserver not installed (pip install nvidia-pytriton)")
+    for item in items:
+        if "e2e" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def triton_server():
+    from backend.serving.launcher import TritonServer
+
+    with TritonServer(model_dir("tiny"), engine_options=E2E_ENGINE_OPTIONS, quiet=True) as server:
+        yield server

@@ -84,7 +84,7 @@ def _wait_http(url: str, proc: subprocess.Popen | None, log: pathlib.Path, timeo
 
 
 @pytest.fixture(scope="session")
-def chat_stack():
+def chat_stack(request):
     from tests.conftest import model_dir
 
     tiny = model_dir("tiny")
@@ -94,29 +94,26 @@ def chat_stack():
     if FAKE:
         yield from _fake_stack(tiny, work, keys_file)
         return
-    from backend.serving.install import find_tritonserver
-    from backend.serving.launcher import TritonServer, free_port, terminate_group
-    from tests.e2e.conftest import E2E_ENGINE_OPTIONS
+    from backend.serving.launcher import free_port, terminate_group
+    from tests.conftest import _tritonserver_available
 
-    try:
-        find_tritonserver()
-    except FileNotFoundError:
+    if not _tritonserver_available():
         pytest.skip("tritonserver not installed (pip install nvidia-pytriton)")
-    with TritonServer(tiny, engine_options=E2E_ENGINE_OPTIONS, quiet=True) as triton:
-        port = free_port()
-        log = work / "shim.log"
-        cmd = [sys.executable, "-m", "client.shim", "--triton-grpc", triton.grpc_url,
-               "--host", "127.0.0.1", "--port", str(port), "--model-dir", str(tiny),
-               "--api-keys", str(keys_file), "--chat-db", str(work / "chat.sqlite3"),
-               "--log-level", "warning"]
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-        try:
-            _wait_http(f"http://127.0.0.1:{port}/health", proc, log)
-            yield Stack(f"http://127.0.0.1:{port}", tiny, triton.metrics_url)
-        finally:
-            terminate_group(proc, timeout=10)
+    triton = request.getfixturevalue("triton_server")   # the session's one server
+    port = free_port()
+    log = work / "shim.log"
+    cmd = [sys.executable, "-m", "client.shim", "--triton-grpc", triton.grpc_url,
+           "--host", "127.0.0.1", "--port", str(port), "--model-dir", str(tiny),
+           "--api-keys", str(keys_file), "--chat-db", str(work / "chat.sqlite3"),
+           "--log-level", "warning"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        _wait_http(f"http://127.0.0.1:{port}/health", proc, log)
+        yield Stack(f"http://127.0.0.1:{port}", tiny, triton.metrics_url)
+    finally:
+        terminate_group(proc, timeout=10)
 
 
 def _fake_stack(tiny, work, keys_file):
@@ -141,9 +138,12 @@ def _fake_stack(tiny, work, keys_file):
     thread.join(10)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def chromium():
-    """Debian's Chromium via Playwright (installed by scripts/install_browser.sh if missing)."""
+    """Debian's Chromium via Playwright (installed by scripts/install_browser.sh if missing).
+
+    Module-scoped: Playwright's sync API keeps an event loop running on this thread while it is
+    open, which would break the asyncio tests that run after the browser tests."""
     if not os.path.exists(CHROMIUM):
         res = subprocess.run(["bash", str(ROOT / "scripts" / "install_browser.sh")],
                              capture_output=True, text=True, timeout=1200)

@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 from backend.config import EngineArgs
 from backend.llm import LLM
 from backend.sampling_params import SamplingParams
-from tests.e2e.conftest import E2E_ENGINE_OPTIONS
+from tests.conftest import E2E_ENGINE_OPTIONS
 from tests.e2e.helpers import generate
 
 pytestmark = pytest.mark.e2e
