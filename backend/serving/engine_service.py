@@ -29,7 +29,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from backend.outputs import StepDelta
@@ -73,6 +73,50 @@ class _Open:
     last_token: dict[int, float] = field(default_factory=dict)
     queue_time_seen: bool = False
     last_check: float = 0.0                 # last is_cancelled() call
+
+
+MAX_DRAIN = 4096
+
+
+def merge_deltas(a: StepDelta, b: StepDelta) -> StepDelta | None:
+    """One delta equivalent to sending ``a`` then ``b`` (same choice), or None if they must stay apart.
+
+    b's window starts at most CONTEXT_TOKENS before the end of a's, and its first ``num_sent`` ids
+    are already-sent context, so a's window followed by b's new ids is one window with a's
+    ``num_sent``. A stop-string cut (``max_chars``) is relative to its own window: never merged.
+    """
+    if a.finished or a.max_chars >= 0 or b.max_chars >= 0 or a.error or b.error:
+        return None
+    return replace(b, new_token_ids=a.new_token_ids + b.new_token_ids,
+                   window_ids=a.window_ids + b.window_ids[b.num_sent:], num_sent=a.num_sent,
+                   logprobs=a.logprobs + b.logprobs)
+
+
+def coalesce(items: list) -> list:
+    """Merge the queued deltas of each choice when the response thread fell behind.
+
+    Under load the engine produces deltas faster than one IPC send each can carry them; merging
+    a choice's backlog keeps every token and its order while sending (and postprocessing) once.
+    Items other than deltas keep their place.
+    """
+    if len(items) < 2:
+        return items
+    out: list = []
+    last: dict[tuple[int, int], int] = {}       # (request handle, choice) -> position in out
+    for item in items:
+        if isinstance(item[0], str):
+            out.append(item)
+            continue
+        h, d = item
+        key = (id(h), d.index)
+        at = last.get(key)
+        merged = None if at is None else merge_deltas(out[at][1], d)
+        if merged is None:
+            last[key] = len(out)
+            out.append(item)
+        else:
+            out[at] = (h, merged)
+    return out
 
 
 class EngineService:
@@ -173,14 +217,22 @@ class EngineService:
                 item = self._q.get(timeout=self.sweep_interval)
             except queue.Empty:
                 item = None
-            if item is _STOP:
+            batch = [] if item is None else [item]
+            while item is not None and item is not _STOP and len(batch) < MAX_DRAIN:
+                try:                          # take the backlog too: merged, it costs fewer sends
+                    item = self._q.get_nowait()
+                except queue.Empty:
+                    break
+                batch.append(item)
+            stop = bool(batch) and batch[-1] is _STOP
+            for one in coalesce(batch[:-1] if stop else batch):
+                try:
+                    self._handle(one)
+                except Exception:            # noqa: BLE001 - the thread must survive a bad item
+                    log.exception("response thread failed on %r", one[:1] if isinstance(one, tuple) else one)
+            if stop:
                 self._close_all()
                 return
-            try:
-                if item is not None:
-                    self._handle(item)
-            except Exception:                # noqa: BLE001 - the thread must survive a bad item
-                log.exception("response thread failed on %r", item[:1] if isinstance(item, tuple) else item)
             now = time.monotonic()
             if now >= next_sweep:
                 self._sweep(now)

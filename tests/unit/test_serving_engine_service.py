@@ -9,7 +9,7 @@ from concurrent.futures import Future
 import pytest
 
 from backend.outputs import StepDelta
-from backend.serving.engine_service import EngineService, Incoming
+from backend.serving.engine_service import _STOP, EngineService, Incoming
 
 
 class FakeResponder:
@@ -67,6 +67,16 @@ class FakeLoop:
             sink(StepDelta(rid, 0, [], [], 0, finished=True, finish_reason="abort"))
 
 
+def push(svc, rid, d):
+    """Hand a delta to the service and let the response thread take it alone: deltas queued
+    together are merged (coalesce), which these tests of one-send-per-delta paths must avoid."""
+    svc.loop.sinks[rid](d)
+    deadline = time.monotonic() + 2
+    while not svc._q.empty() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    time.sleep(0.02)
+
+
 def delta(rid, tokens, finished=False, reason=None, index=0, error=None):
     return StepDelta(rid, index, tokens, tokens, 0, finished=finished, finish_reason=reason, error=error,
                      prompt_tokens=3, completion_tokens=len(tokens))
@@ -77,7 +87,7 @@ def svc():
     loop = FakeLoop()
     s = EngineService(loop, max_model_len=64, sweep_interval=0.02)
     yield s
-    s._q.put(("stop",))
+    s._q.put(_STOP)
 
 
 def submit(svc, rid="r", ids=(1, 2, 3), responder=None, **params):
@@ -88,10 +98,9 @@ def submit(svc, rid="r", ids=(1, 2, 3), responder=None, **params):
 
 def test_stream_sends_each_delta_and_final_with_the_last(svc):
     r = submit(svc, max_tokens=5)
-    sink = svc.loop.sinks["r"]
-    sink(delta("r", [7]))
-    sink(delta("r", [8, 9]))
-    sink(delta("r", [10], finished=True, reason="length"))
+    push(svc, "r", delta("r", [7]))
+    push(svc, "r", delta("r", [8, 9]))
+    push(svc, "r", delta("r", [10], finished=True, reason="length"))
     r.wait()
     assert [f for _, _, f in r.sent] == [False, False, True]
     assert r.texts() == ["", "", "length"]
@@ -144,11 +153,10 @@ def test_engine_admission_errors_are_tagged(svc):
 
 def test_client_cancel_aborts_and_sends_one_bare_final(svc):
     r = submit(svc, responder=FakeResponder(cancel_after=1), max_tokens=9)
-    sink = svc.loop.sinks["r"]
-    sink(delta("r", [7]))
-    sink(delta("r", [8]))            # is_cancelled() is now true: not sent, engine told to abort
-    sink(delta("r", [9]))            # still running until the abort lands: dropped
-    sink(delta("r", [], finished=True, reason="abort"))
+    push(svc, "r", delta("r", [7]))
+    push(svc, "r", delta("r", [8]))  # is_cancelled() is now true: not sent, engine told to abort
+    push(svc, "r", delta("r", [9]))  # still running until the abort lands: dropped
+    push(svc, "r", delta("r", [], finished=True, reason="abort"))
     r.wait()
     assert svc.loop.aborts == ["r"]
     assert [(o is None, f) for o, _, f in r.sent] == [(False, False), (True, True)]
@@ -233,8 +241,8 @@ def test_metric_events():
     svc = EngineService(loop, max_model_len=64, metrics=m)
     try:
         r = submit(svc, max_tokens=5)
-        loop.sinks["r"](delta("r", [1]))
-        loop.sinks["r"](delta("r", [2], finished=True, reason="length"))
+        push(svc, "r", delta("r", [1]))
+        push(svc, "r", delta("r", [2], finished=True, reason="length"))
         r.wait()
         bad = submit(svc, rid="bad", max_tokens=0)
         bad.wait()
@@ -246,4 +254,4 @@ def test_metric_events():
                           ("finished", "length"), ("observe", "llm_inter_token_latency_seconds"),
                           ("observe", "llm_e2e_request_latency_seconds"), ("rejected", "invalid_request")]
     finally:
-        svc._q.put(("stop",))
+        svc._q.put(_STOP)
