@@ -111,7 +111,7 @@ def _turn_ttft(run: dict, first: bool) -> float | None:
 async def suite_prefix(args) -> tuple[str, dict]:
     shared = WorkloadSpec("shared-prefix", num_jobs=_n(64, args.scale), num_groups=4, prefix_len=512,
                           input_len=32, output_len=32, range_ratio=0.5)
-    multi = WorkloadSpec("multi-turn", num_jobs=_n(8, args.scale), turns=4, history_len=1024,
+    multi = WorkloadSpec("multi-turn", num_jobs=_n(12, args.scale), turns=4, history_len=1024,
                          followup_len=32, output_len=32)
     out, rows = {}, []
     for model in args.models:
@@ -119,13 +119,12 @@ async def suite_prefix(args) -> tuple[str, dict]:
         for caching in ("on", "off"):
             opts = {**engine_options(model, args.engine_option), "enable_prefix_caching": caching == "on"}
             async with serving("http", model, opts) as be:
-                out[model][caching] = {
-                    "shared-prefix": await bench_point(be, make_workload(shared), concurrency=16, request_rate=None,
-                                                       desc=f"{model} prefix {caching} shared"),
-                    # one conversation at a time: TTFTs measure prefill, not queueing
-                    "multi-turn": await bench_point(be, make_workload(multi), concurrency=1, request_rate=None,
-                                                    desc=f"{model} prefix {caching} multi-turn"),
-                }
+                # one conversation at a time, on a fresh server: TTFTs measure prefill, not queueing
+                mt = await bench_point(be, make_workload(multi), concurrency=1, request_rate=None,
+                                       desc=f"{model} prefix {caching} multi-turn")
+                sp = await bench_point(be, make_workload(shared), concurrency=16, request_rate=None,
+                                       desc=f"{model} prefix {caching} shared")
+                out[model][caching] = {"shared-prefix": sp, "multi-turn": mt}
         for caching in ("on", "off"):
             sp, mt = out[model][caching]["shared-prefix"], out[model][caching]["multi-turn"]
             cold, follow = _turn_ttft(mt, True), _turn_ttft(mt, False)
