@@ -6,6 +6,7 @@ under load/results/, plots written to docs/img/):
     python -m load.suites concurrency  throughput and latency against 1..64 concurrent streams (full stack)
     python -m load.suites cancel       a storm of 64 cancelled streams (HTTP disconnects, gRPC aborts):
                                        KV usage over time, back to idle, cancel-to-free times
+    python -m load.suites locust       both Locust users, headless, against the full stack
 
 Every suite takes --models (default bench-15m bench-110m) and --scale (fraction of the default
 request counts, for quick runs). Contenders of one table run in the same invocation, one after
@@ -253,8 +254,39 @@ def _plot_timelines(timelines: dict, path) -> None:
     _save(fig, path)
 
 
+# --- Locust ----------------------------------------------------------------------------------------
+
+async def suite_locust(args) -> tuple[str, dict]:
+    """Both Locust users against the full stack for --seconds; the CSV stats as a table."""
+    import csv
+    import subprocess
+
+    out, rows = {}, []
+    for model in args.models:
+        with Stack(resolve_model(model), engine_options(model, args.engine_option), shim=True) as stack:
+            prefix = RESULTS / f"locust-{model}"
+            cmd = [sys.executable, "-m", "locust", "-f", str(ROOT / "load" / "locustfile.py"), "--headless",
+                   "-u", str(args.users), "-r", str(args.users), "-t", f"{args.seconds}s", "--stop-timeout", "60",
+                   "--only-summary", "--host", stack.shim_url.removesuffix("/v1"),
+                   "--triton-grpc", stack.grpc_url, "--max-tokens", "64", "--prompt-tokens", "128",
+                   "--csv", str(prefix)]
+            await asyncio.to_thread(subprocess.run, cmd, cwd=ROOT, capture_output=True, timeout=args.seconds + 180)
+        with open(f"{prefix}_stats.csv") as f:
+            stats = [r for r in csv.DictReader(f) if r["Name"] != "/v1/models"]
+        out[model] = stats
+        for r in stats:
+            rows.append(f"| {model} | {r['Type'] or 'all'} | {r['Name']} | {r['Request Count']} | {r['Failure Count']} "
+                        f"| {r['50%']} | {r['90%']} | {r['99%']} | {float(r['Requests/s']):.1f} |")
+    table = "\n".join([
+        f"Locust, {args.users} users (half OpenAI shim SSE, half Triton gRPC stream), {args.seconds} s, "
+        "64 output tokens per request:", "",
+        "| model | type | entry | count | failures | p50 ms | p90 ms | p99 ms | per s |",
+        "|---|---|---|---|---|---|---|---|---|", *rows])
+    return table, out
+
+
 SUITES = {"overhead": suite_overhead, "prefix": suite_prefix, "concurrency": suite_concurrency,
-          "cancel": suite_cancel}
+          "cancel": suite_cancel, "locust": suite_locust}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -264,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", nargs="+", default=["bench-15m", "bench-110m"])
     p.add_argument("--scale", type=float, default=1.0, help="fraction of the default request counts")
     p.add_argument("--levels", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64], help="concurrency sweep")
+    p.add_argument("--users", type=int, default=16, help="locust: concurrent users")
+    p.add_argument("--seconds", type=int, default=60, help="locust: run time")
     p.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
     command = "python -m load.suites " + " ".join(sys.argv[1:] if argv is None else argv)
