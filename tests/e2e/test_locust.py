@@ -32,7 +32,7 @@ def test_headless_locust_run_has_no_failures(triton_server, shim, tmp_path):  # 
                 ("POST", "/v1/chat/completions (stream)")]:
         assert key in rows, f"no Locust entry {key}: {sorted(rows)}"
         assert int(rows[key]["Request Count"]) > 0 and int(rows[key]["Failure Count"]) == 0, key
-    # each stream yields one TTFT and (max_tokens - 1) gaps at most
+    # each stream yields one TTFT and at most (max_tokens - 1) gaps
     ttft, itl = (int(rows[("gRPC", n)]["Request Count"]) for n in ("time_to_first_token", "inter_token_latency"))
-    assert ttft <= itl <= 11 * ttft
+    assert 0 < itl <= 11 * ttft             # merged deltas (a slow reader) make fewer gaps
     assert float(rows[("SSE", "time_to_first_token")]["Median Response Time"]) > 0
