@@ -259,3 +259,23 @@ def test_promql_metric_name_extraction():
     mod = load_dashboard_module()
     expr = 'sum by (le, model) (rate(a_bucket{x="y("}[1m])) / 1e3 + b offset 5m'
     assert mod.metric_names(expr) == {"a_bucket", "b"}
+
+
+def test_commands_match_the_real_command_lines(compose):
+    """The shim's compose command and the entrypoint's `triton-llm serve` flags parse with the
+    project's own argument parsers (so a renamed flag fails here, not in a container)."""
+    from backend.cli import build_parser as cli_parser
+    from client.shim.settings import build_parser as shim_parser
+
+    shim = compose["services"]["shim"]
+    assert shim["entrypoint"] == ["python3", "-m", "client.shim"]
+    args = shim_parser().parse_args([expand(a) for a in shim["command"]])
+    assert (args.triton_grpc, args.host, args.port, args.model_dir) == ("triton:8001", "0.0.0.0", 9000, "/models")
+
+    text = (DOCKER / "entrypoint.sh").read_text()
+    flags = re.findall(r"(--[a-z-]+) ", text[text.index("args=(serve"):text.index('exec triton-llm "${args[@]}"')])
+    sample = {"--model": "/m", "--host": "0.0.0.0", "--http-port": "1", "--grpc-port": "2", "--metrics-port": "3",
+              "--shim-port": "0", "--workdir": "/w", "--engine-option": "device=cuda", "--api-keys": "/k"}
+    assert "--model" in flags and set(flags) <= set(sample), flags
+    ns = cli_parser().parse_args(["serve", *[x for f in sorted(set(flags)) for x in (f, sample[f])]])
+    assert ns.command == "serve" and ns.engine_option == ["device=cuda"]
