@@ -375,6 +375,7 @@ def serve_main(args) -> int:
         if shim is not None:
             host = "127.0.0.1" if args.host in ("0.0.0.0", "") else args.host
             print(f"OpenAI API    http://{host}:{args.shim_port}/v1   (log: {workdir / 'shim.log'})")
+            print(f"chat page     http://{host}:{args.shim_port}/")
         print("Ctrl-C to stop.", flush=True)
         next_health = time.monotonic() + HEALTH_INTERVAL
         while True:
