@@ -23,6 +23,8 @@ class EngineArgs:
     attention_backend: str = "auto"               # auto | torch | triton
     seed: int = 0
     num_threads: int | None = None                # torch intra-op threads on CPU
+    stream_interval: float = 0.0                  # serving: seconds the response thread gathers a
+                                                  # stream's tokens into one response (0 = each step)
 
     @classmethod
     def from_dict(cls, d: dict) -> "EngineArgs":
@@ -39,6 +41,8 @@ class EngineArgs:
                 kwargs[key] = str(raw).lower() in ("1", "true", "yes", "on")
             elif isinstance(default, int) or key in ("num_kv_blocks", "max_model_len", "num_threads"):
                 kwargs[key] = int(raw)
+            elif isinstance(default, float):
+                kwargs[key] = float(raw)
             else:
                 kwargs[key] = str(raw)
         return cls(**kwargs)

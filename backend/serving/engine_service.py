@@ -121,8 +121,10 @@ def coalesce(items: list) -> list:
 
 class EngineService:
     def __init__(self, loop: Any, *, max_model_len: int, metrics: Any = None,
-                 sweep_interval: float = 0.1, tombstone_ttl: float = 30.0) -> None:
+                 sweep_interval: float = 0.1, tombstone_ttl: float = 30.0,
+                 stream_interval: float = 0.0) -> None:
         self.loop = loop
+        self.stream_interval = stream_interval
         self.max_model_len = max_model_len
         self.metrics = metrics
         self.sweep_interval = sweep_interval
@@ -218,12 +220,10 @@ class EngineService:
             except queue.Empty:
                 item = None
             batch = [] if item is None else [item]
-            while item is not None and item is not _STOP and len(batch) < MAX_DRAIN:
-                try:                          # take the backlog too: merged, it costs fewer sends
-                    item = self._q.get_nowait()
-                except queue.Empty:
-                    break
-                batch.append(item)
+            self._drain(batch)
+            if self.stream_interval > 0 and self._only_mid_stream(batch):
+                time.sleep(self.stream_interval)   # gather the next steps' tokens of these streams
+                self._drain(batch)
             stop = bool(batch) and batch[-1] is _STOP
             for one in coalesce(batch[:-1] if stop else batch):
                 try:
@@ -237,6 +237,21 @@ class EngineService:
             if now >= next_sweep:
                 self._sweep(now)
                 next_sweep = now + self.sweep_interval
+
+    def _drain(self, batch: list) -> None:
+        """Append the queued backlog (merged by coalesce, it costs fewer sends)."""
+        while batch and batch[-1] is not _STOP and len(batch) < MAX_DRAIN:
+            try:
+                batch.append(self._q.get_nowait())
+            except queue.Empty:
+                return
+
+    @staticmethod
+    def _only_mid_stream(batch: list) -> bool:
+        """True when waiting delays no first token, final or control answer: only later tokens."""
+        return bool(batch) and all(
+            not isinstance(item[0], str) and item[0].stream and item[0].first_token is not None
+            and not item[1].finished for item in batch)
 
     def _handle(self, item: tuple) -> None:
         head = item[0]
@@ -406,5 +421,6 @@ def build_engine_service(model_dir: str, params: dict[str, str], *, metrics_fact
     if metrics_factory is not None:
         metrics = ServingMetrics(metrics_factory, stats=loop.stats, healthy=lambda: loop.healthy,
                                  labels=labels)
-    service = EngineService(loop, max_model_len=engine.max_model_len, metrics=metrics)
+    service = EngineService(loop, max_model_len=engine.max_model_len, metrics=metrics,
+                            stream_interval=args.stream_interval)
     return service

@@ -255,3 +255,23 @@ def test_metric_events():
                           ("observe", "llm_e2e_request_latency_seconds"), ("rejected", "invalid_request")]
     finally:
         svc._q.put(_STOP)
+
+
+def test_stream_interval_gathers_mid_stream_tokens_but_not_the_first():
+    loop = FakeLoop()
+    svc = EngineService(loop, max_model_len=64, sweep_interval=0.02, stream_interval=0.2)
+    try:
+        r = submit(svc, max_tokens=9)
+        t0 = time.monotonic()
+        push(svc, "r", delta("r", [7]))
+        assert len(r.sent) == 1 and time.monotonic() - t0 < 0.15   # the first token is not held
+        for tok in (8, 9, 10):                                    # arrive within one interval
+            loop.sinks["r"](delta("r", [tok]))
+            time.sleep(0.02)
+        loop.sinks["r"](delta("r", [11], finished=True, reason="length"))
+        r.wait()
+        ids = [int(t) for o, _, _ in r.sent for t in o["output_ids"]]
+        assert ids == [7, 8, 9, 10, 11]
+        assert len(r.sent) < 5 and r.finals == 1
+    finally:
+        svc._q.put(_STOP)
