@@ -1,4 +1,4 @@
-"""Build a :class:`BatchInput` from per-sequence chunks (tests, benchmarks, tools).
+"""Build a :class:`BatchInput` from per-sequence chunks (the engine's step, tests, benchmarks).
 
 Each chunk is "these new tokens of one sequence, after ``num_computed`` already cached tokens, with
 this block table". Index arithmetic, for a sequence with ``num_computed=5`` and 3 new tokens,
@@ -24,9 +24,11 @@ class SeqChunk:
     num_computed: int             # tokens of the sequence already in the KV cache
     block_table: list[int]        # block ids covering at least num_computed + len(token_ids) tokens
     all_logits: bool = False      # logits for every new token, not only the last
+    logits: bool = True           # False: no logits row (a prefill chunk that does not sample yet)
 
 
-def build_batch(chunks: list[SeqChunk], block_size: int) -> BatchInput:
+def build_batch(chunks: list[SeqChunk], block_size: int, device: str | torch.device = "cpu") -> BatchInput:
+    """All host lists first, then one tensor each: one host-to-device copy per field per step."""
     ids, positions, slots, cu, seq_lens, logits = [], [], [], [0], [], []
     for c in chunks:
         n = len(c.token_ids)
@@ -40,17 +42,22 @@ def build_batch(chunks: list[SeqChunk], block_size: int) -> BatchInput:
         ids.extend(c.token_ids)
         cu.append(len(ids))
         seq_lens.append(end)
-        logits.extend(range(row0, row0 + n) if c.all_logits else [row0 + n - 1])
+        if c.logits:
+            logits.extend(range(row0, row0 + n) if c.all_logits else [row0 + n - 1])
     width = max(len(c.block_table) for c in chunks)
     tables = [c.block_table + [0] * (width - len(c.block_table)) for c in chunks]
+
+    def t(values, dtype):
+        return torch.tensor(values, dtype=dtype, device=device)
+
     return BatchInput(
-        input_ids=torch.tensor(ids, dtype=torch.int64),
-        positions=torch.tensor(positions, dtype=torch.int64),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=torch.tensor(tables, dtype=torch.int32),
-        logits_indices=torch.tensor(logits, dtype=torch.int64),
+        input_ids=t(ids, torch.int64),
+        positions=t(positions, torch.int64),
+        slot_mapping=t(slots, torch.int64),
+        cu_seqlens_q=t(cu, torch.int32),
+        seq_lens=t(seq_lens, torch.int32),
+        block_tables=t(tables, torch.int32),
+        logits_indices=t(logits, torch.int64),
         max_seqlen_q=max(len(c.token_ids) for c in chunks),
         max_seq_len=max(seq_lens),
     )
