@@ -222,8 +222,7 @@ class EngineService:
             batch = [] if item is None else [item]
             self._drain(batch)
             if self.stream_interval > 0 and self._only_mid_stream(batch):
-                time.sleep(self.stream_interval)   # gather the next steps' tokens of these streams
-                self._drain(batch)
+                self._linger(batch)
             stop = bool(batch) and batch[-1] is _STOP
             for one in coalesce(batch[:-1] if stop else batch):
                 try:
@@ -244,6 +243,19 @@ class EngineService:
             try:
                 batch.append(self._q.get_nowait())
             except queue.Empty:
+                return
+
+    def _linger(self, batch: list) -> None:
+        """Gather the next steps' tokens of mid-stream requests for up to ``stream_interval``;
+        stop waiting as soon as anything else arrives (a first token, a final, a control answer)."""
+        deadline = time.monotonic() + self.stream_interval
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                batch.append(self._q.get(timeout=remaining))
+            except queue.Empty:
+                return
+            self._drain(batch)
+            if not self._only_mid_stream(batch):
                 return
 
     @staticmethod

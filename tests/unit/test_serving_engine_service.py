@@ -275,3 +275,20 @@ def test_stream_interval_gathers_mid_stream_tokens_but_not_the_first():
         assert len(r.sent) < 5 and r.finals == 1
     finally:
         svc._q.put(_STOP)
+
+
+def test_stream_interval_stops_waiting_for_a_final():
+    loop = FakeLoop()
+    svc = EngineService(loop, max_model_len=64, sweep_interval=0.02, stream_interval=2.0)
+    try:
+        r = submit(svc, max_tokens=9)
+        push(svc, "r", delta("r", [7]))
+        loop.sinks["r"](delta("r", [8]))                           # mid-stream: the thread lingers
+        time.sleep(0.05)
+        t0 = time.monotonic()
+        loop.sinks["r"](delta("r", [9], finished=True, reason="length"))
+        r.wait()
+        assert time.monotonic() - t0 < 1.0                         # not the whole 2 s interval
+        assert [int(t) for o, _, _ in r.sent for t in o["output_ids"]] == [7, 8, 9]
+    finally:
+        svc._q.put(_STOP)
