@@ -1,3 +1,2 @@
 """The e2e tests use the session-scoped ``triton_server`` fixture from tests/conftest.py
 (shared with tests/browser, so one full run starts one server for both)."""
-from tests.conftest import E2E_ENGINE_OPTIONS  # noqa: F401  (re-exported for older imports)
