@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from backend.config import EngineArgs
+from backend.context import context_window
 from backend.detokenizer import window_start
 from backend.engine.batch import build_batch
 from backend.engine.errors import QueueFullError
@@ -50,8 +51,7 @@ class LLMEngine:
         self.vocab_size = info.vocab_size
         self.eos_token_ids = list(info.eos_token_ids)
         # One sequence must always fit the pool alone, so the pool also bounds the context.
-        limit = min(info.max_model_len, args.max_model_len or info.max_model_len)
-        self.max_model_len = min(limit, runner.num_blocks * args.block_size)
+        self.max_model_len = context_window(info.max_model_len, runner.num_blocks, args.block_size)
         self.scheduler = Scheduler(self.kv, max_num_seqs=args.max_num_seqs,
                                    max_num_batched_tokens=args.max_num_batched_tokens)
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=args.seed)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from backend.config import EngineArgs
+from backend.context import model_max_len, num_kv_blocks
 from backend.kv_cache.storage import KVCacheStorage
 from backend.model.attention import AttentionMetadata, make_attention_backend
 from backend.model.config import load_model_config
@@ -51,17 +52,13 @@ class ModelRunner:
         self.device = torch.device(args.device)
         self.dtype = parse_dtype(args.dtype)
         self.config = cfg = load_model_config(model_dir)
-        max_len = args.max_model_len or cfg.default_max_model_len()
-        if max_len > cfg.max_position_embeddings:
-            raise ValueError(f"max_model_len={max_len} exceeds the model's max_position_embeddings="
-                             f"{cfg.max_position_embeddings}")
+        max_len = model_max_len(cfg, args)
         self.model = load_model(model_dir, cfg, dtype=self.dtype, device=self.device, max_positions=max_len)
         self.attention = make_attention_backend(args.attention_backend, self.device)
 
         shape = dict(num_layers=cfg.num_layers, block_size=args.block_size, num_kv_heads=cfg.num_kv_heads,
                      head_dim=cfg.head_dim)
-        self.num_blocks = args.num_kv_blocks or (
-            args.kv_cache_memory // KVCacheStorage.bytes_per_block(**shape, dtype=self.dtype))
+        self.num_blocks = num_kv_blocks(cfg, args)
         if self.num_blocks <= 0:
             raise ValueError(f"kv_cache_memory={args.kv_cache_memory} bytes holds no KV block of this model")
         self.storage = KVCacheStorage(num_blocks=self.num_blocks, dtype=self.dtype, device=self.device, **shape)
