@@ -5,6 +5,7 @@ to the EngineLoop thread and answers from its own response thread; execute() ret
 """
 import triton_python_backend_utils as pb_utils
 
+from backend import protocol as P
 from backend.serving.engine_service import Incoming, build_engine_service
 from backend.serving.tensors import config_parameters, require_model_dir
 
@@ -62,7 +63,7 @@ class TritonPythonModel:
         if not pb_utils.using_decoupled_model_transaction_policy(self._config(args)):
             raise ValueError("the engine model must be decoupled (model_transaction_policy { decoupled: true })")
         params = config_parameters(args["model_config"])
-        model_dir = require_model_dir(params.get("model_dir", ""))
+        model_dir = require_model_dir(params.get(P.MODEL_DIR, ""))
         labels = {"model": args["model_name"], "version": args["model_version"]}
         # Metric objects must not outlive their families: keep the factory (and its families) here.
         self.metric_factory = MetricFactory()
@@ -76,7 +77,7 @@ class TritonPythonModel:
 
     def execute(self, requests):
         for request in requests:
-            tensor = pb_utils.get_input_tensor_by_name(request, "input_ids")
+            tensor = pb_utils.get_input_tensor_by_name(request, P.INPUT_IDS)
             ids = None if tensor is None else [int(t) for t in tensor.as_numpy().reshape(-1)]
             timeout_us = request.timeout() if hasattr(request, "timeout") else 0
             self.service.submit(Incoming(
