@@ -2,15 +2,18 @@
 
 Chat messages go through the checkpoint's own chat template with the generation prompt appended,
 exactly as ``AutoTokenizer.apply_chat_template(messages, add_generation_prompt=True)`` does, so the
-server and offline code see the same ids. Everything a client can get wrong is rejected here with a
-tagged ``[invalid_request param=...]`` message.
+server and offline code see the same ids. Everything a client can get wrong is rejected here with
+an ``invalid_request`` EngineError naming the parameter, before the engine sees the request; the
+prompt is checked against the engine's own context window (backend/context.py).
 """
 from __future__ import annotations
 
 import json
 import pathlib
 
-from backend.serving.errors import invalid_request
+from backend import protocol as P
+from backend.context import context_window_for
+from backend.errors import invalid_request
 from backend.serving.request_params import RequestSettings, fit_context, request_settings
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -22,31 +25,23 @@ def load_tokenizer(model_dir: str | pathlib.Path):
     return PreTrainedTokenizerFast.from_pretrained(str(model_dir))
 
 
-def model_max_len(model_dir: str | pathlib.Path, override: int | None = None) -> int:
-    """The context window: an explicit max_model_len, else config.json's max_position_embeddings."""
-    if override:
-        return int(override)
-    cfg = json.loads((pathlib.Path(model_dir) / "config.json").read_text())
-    return int(cfg.get("max_position_embeddings") or 2048)
-
-
 def parse_messages(raw: str) -> list[dict]:
     """OpenAI chat messages (JSON) -> [{"role", "content"}] with text content."""
     if not raw or not raw.strip():
-        raise invalid_request("messages", "messages is empty")
+        raise invalid_request(P.MESSAGES, "messages is empty")
     try:
         messages = json.loads(raw)
     except ValueError as exc:
-        raise invalid_request("messages", f"messages is not valid JSON: {exc}") from None
+        raise invalid_request(P.MESSAGES, f"messages is not valid JSON: {exc}") from None
     if not isinstance(messages, list) or not messages:
-        raise invalid_request("messages", "messages must be a non-empty JSON list of {role, content} objects")
+        raise invalid_request(P.MESSAGES, "messages must be a non-empty JSON list of {role, content} objects")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
-            raise invalid_request("messages", f"messages[{i}] must be an object with role and content")
+            raise invalid_request(P.MESSAGES, f"messages[{i}] must be an object with role and content")
         role = m.get("role")
         if role not in ROLES:
-            raise invalid_request("messages", f"messages[{i}].role must be one of {list(ROLES)}, got {role!r}")
+            raise invalid_request(P.MESSAGES, f"messages[{i}].role must be one of {list(ROLES)}, got {role!r}")
         out.append({"role": role, "content": _content_text(m.get("content"), i, role)})
     return out
 
@@ -60,39 +55,41 @@ def _content_text(content, i: int, role: str) -> str:
         parts = []
         for j, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise invalid_request("messages", f"messages[{i}].content[{j}] must be a text part "
+                raise invalid_request(P.MESSAGES, f"messages[{i}].content[{j}] must be a text part "
                                                   '{"type": "text", "text": ...}')
             parts.append(part["text"])
         return "".join(parts)
-    raise invalid_request("messages", f"messages[{i}].content must be a string or a list of text parts")
+    raise invalid_request(P.MESSAGES, f"messages[{i}].content must be a string or a list of text parts")
 
 
 class Preprocessor:
-    def __init__(self, model_dir: str | pathlib.Path, max_model_len: int | None = None) -> None:
+    def __init__(self, model_dir: str | pathlib.Path, context_window: int | None = None) -> None:
+        """``context_window``: the engine's (generate_repository() writes it into the config);
+        None computes it for the default engine options."""
         self.tokenizer = load_tokenizer(model_dir)
-        self.max_model_len = model_max_len(model_dir, max_model_len)
+        self.context_window = context_window or context_window_for(model_dir)
 
     def encode_messages(self, messages: list[dict]) -> list[int]:
         try:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                      return_dict=False)
         except Exception as exc:           # the template's own raise_exception (e.g. role order)
-            raise invalid_request("messages", f"the chat template rejected the messages: {exc}") from None
+            raise invalid_request(P.MESSAGES, f"the chat template rejected the messages: {exc}") from None
         return [int(t) for t in ids]
 
     def encode_prompt(self, text: str) -> list[int]:
         return [int(t) for t in self.tokenizer.encode(text)]
 
     def __call__(self, text_input: str | None, messages: str | None, params: dict) -> tuple[list[int], RequestSettings]:
-        """Token ids for one request, and its validated settings; raises RequestError."""
+        """Token ids for one request, and its validated settings; raises EngineError."""
         settings = request_settings(params)
         if (text_input is None) == (messages is None):
-            raise invalid_request("text_input", "give exactly one of text_input (a prompt) or messages (chat JSON)")
+            raise invalid_request(P.TEXT_INPUT, "give exactly one of text_input (a prompt) or messages (chat JSON)")
         if messages is not None:
-            ids, param = self.encode_messages(parse_messages(messages)), "messages"
+            ids, param = self.encode_messages(parse_messages(messages)), P.MESSAGES
         else:
             if not text_input:
-                raise invalid_request("text_input", "the prompt is empty")
-            ids, param = self.encode_prompt(text_input), "text_input"
-        fit_context(settings, len(ids), self.max_model_len, param)
+                raise invalid_request(P.TEXT_INPUT, "the prompt is empty")
+            ids, param = self.encode_prompt(text_input), P.TEXT_INPUT
+        fit_context(settings, len(ids), self.context_window, param)
         return ids, settings

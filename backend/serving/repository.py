@@ -6,7 +6,9 @@ Each template ``config.pbtxt`` declares every parameter it understands with a de
 
 Generating fills ``model_dir`` in every model that declares it, writes engine options into the
 ``engine`` model's parameters (an option the template does not declare is an error, so a typo in
-``--engine-option`` fails here rather than being ignored) and optionally changes instance counts.
+``--engine-option`` fails here rather than being ignored), writes the engine's context window
+(backend/context.py) into ``preprocessing``'s ``context_window`` so both validate against the same
+number, and optionally changes instance counts.
 """
 from __future__ import annotations
 
@@ -16,10 +18,11 @@ import re
 import shutil
 from dataclasses import fields
 
+from backend import protocol as P
 from backend.config import EngineArgs
+from backend.context import context_window_for
 
 TEMPLATES = pathlib.Path(__file__).resolve().parents[2] / "model_repository"
-ENGINE_MODEL = "engine"
 
 
 def _param_pattern(key: str) -> re.Pattern:
@@ -74,6 +77,13 @@ def parse_engine_options(items: list[str] | dict[str, str] | None) -> dict[str, 
     return opts
 
 
+def engine_args(src: pathlib.Path, engine_options: dict[str, str]) -> EngineArgs:
+    """The EngineArgs the generated engine model will run with: its template's values + options."""
+    declared = declared_parameters((src / P.ENGINE / "config.pbtxt").read_text())
+    known = {f.name for f in fields(EngineArgs)}
+    return EngineArgs.from_dict({**{k: v for k, v in declared.items() if k in known}, **engine_options})
+
+
 def generate_repository(dst: pathlib.Path, model_dir: str | pathlib.Path, *,
                         engine_options: dict[str, str] | None = None,
                         models: list[str] | None = None,
@@ -94,11 +104,12 @@ def generate_repository(dst: pathlib.Path, model_dir: str | pathlib.Path, *,
         shutil.copytree(src / name, dst / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         cfg_path = dst / name / "config.pbtxt"
         cfg = cfg_path.read_text()
-        if "model_dir" in declared_parameters(cfg):
-            cfg = set_parameter(cfg, "model_dir", str(pathlib.Path(model_dir).resolve()))
-        if engine_options.get("max_model_len") and "max_model_len" in declared_parameters(cfg):
-            cfg = set_parameter(cfg, "max_model_len", engine_options["max_model_len"])
-        if name == ENGINE_MODEL:
+        if P.MODEL_DIR in declared_parameters(cfg):
+            cfg = set_parameter(cfg, P.MODEL_DIR, str(pathlib.Path(model_dir).resolve()))
+        if P.CONTEXT_WINDOW in declared_parameters(cfg):
+            window = context_window_for(model_dir, engine_args(src, engine_options))
+            cfg = set_parameter(cfg, P.CONTEXT_WINDOW, str(window))
+        if name == P.ENGINE:
             for key, value in engine_options.items():
                 try:
                     cfg = set_parameter(cfg, key, value)

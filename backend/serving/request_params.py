@@ -16,18 +16,13 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from backend.sampling_params import SamplingParams
-from backend.serving.errors import invalid_request, tagged
+from backend import protocol as P
+from backend.errors import invalid_request
+from backend.sampling_params import InvalidSamplingParam, SamplingParams
 
-INT_PARAMS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "top_logprobs", "priority")
-FLOAT_PARAMS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                "repetition_penalty", "timeout")
-BOOL_PARAMS = ("stream", "ignore_eos", "skip_special_tokens")
-LIST_PARAMS = ("stop", "stop_token_ids")
-SAMPLING_FIELDS = ("n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
-                   "presence_penalty", "frequency_penalty", "repetition_penalty", "stop",
-                   "stop_token_ids", "ignore_eos", "skip_special_tokens")
 MAX_TIMEOUT = 24 * 3600.0
+# Triton's front ends consume "priority" / "timeout" themselves; accepted should they arrive anyway.
+PLAIN_PRIORITY, PLAIN_TIMEOUT = "priority", "timeout"
 
 
 @dataclass
@@ -106,73 +101,73 @@ def _as_list(name: str, v) -> list:
             parsed = None
         if isinstance(parsed, list):
             return parsed
-        if name == "stop":              # a single stop string given as is
+        if name == P.STOP:              # a single stop string given as is
             return [v] if v else []
         if isinstance(parsed, int) and not isinstance(parsed, bool):
             return [parsed]
-    if isinstance(v, int) and not isinstance(v, bool) and name == "stop_token_ids":
+    if isinstance(v, int) and not isinstance(v, bool) and name == P.STOP_TOKEN_IDS:
         return [v]
     raise invalid_request(name, f"{name} must be a JSON list, got {v!r}")
 
 
 def _logprobs(params: dict) -> int | None:
     """OpenAI chat: ``logprobs`` bool + ``top_logprobs`` int; also accepted: ``logprobs`` = int."""
-    v = params.get("logprobs")
-    top = params.get("top_logprobs")
+    v = params.get(P.LOGPROBS_PARAM)
+    top = params.get(P.TOP_LOGPROBS)
     if v is None or v == "":
-        return None if top is None else _as_int("top_logprobs", top)
+        return None if top is None else _as_int(P.TOP_LOGPROBS, top)
     if isinstance(v, bool) or (isinstance(v, str) and v.strip().lower() in ("true", "false")):
-        if not _as_bool("logprobs", v):
+        if not _as_bool(P.LOGPROBS_PARAM, v):
             return None
-        return 0 if top is None else _as_int("top_logprobs", top)
-    return _as_int("logprobs", v)
+        return 0 if top is None else _as_int(P.TOP_LOGPROBS, top)
+    return _as_int(P.LOGPROBS_PARAM, v)
 
 
 def request_settings(params: dict) -> RequestSettings:
-    """Validate parameters; raises RequestError tagged ``[invalid_request param=<name>]``."""
+    """Validate parameters; raises an invalid_request EngineError naming the bad one."""
     p = {k: v for k, v in params.items() if v is not None}
-    if "max_tokens" not in p and "max_completion_tokens" in p:
-        p["max_tokens"] = p["max_completion_tokens"]
+    if P.MAX_TOKENS not in p and P.MAX_COMPLETION_TOKENS in p:
+        p[P.MAX_TOKENS] = p[P.MAX_COMPLETION_TOKENS]
     kwargs: dict = {}
-    for name in SAMPLING_FIELDS:
+    for name in P.SAMPLING_PARAMS:
         if name not in p:
             continue
         v = p[name]
-        if name in INT_PARAMS:
+        if name in P.INT_PARAMS:
             kwargs[name] = _as_int(name, v)
-        elif name in FLOAT_PARAMS:
+        elif name in P.FLOAT_PARAMS:
             kwargs[name] = _as_float(name, v)
-        elif name in BOOL_PARAMS:
+        elif name in P.BOOL_PARAMS:
             kwargs[name] = _as_bool(name, v)
         else:
             kwargs[name] = _as_list(name, v)
     kwargs["logprobs"] = _logprobs(p)
-    kwargs.setdefault("max_tokens", None)   # omitted: the rest of the context (OpenAI semantics)
+    kwargs.setdefault(P.MAX_TOKENS, None)   # omitted: the rest of the context (OpenAI semantics)
     try:
         sampling = SamplingParams(**kwargs)
-    except (ValueError, TypeError) as exc:
-        raise tagged(ValueError(str(exc))) from None
+    except InvalidSamplingParam as exc:
+        raise invalid_request(exc.param, str(exc)) from None
     timeout = None
-    tname = "request_timeout" if "request_timeout" in p else "timeout"
+    tname = P.REQUEST_TIMEOUT if P.REQUEST_TIMEOUT in p else PLAIN_TIMEOUT
     if tname in p:
         timeout = _as_float(tname, p[tname])
         if not 0 < timeout <= MAX_TIMEOUT:
             raise invalid_request(tname, f"{tname} must be in (0, {MAX_TIMEOUT:.0f}] seconds, got {timeout}")
-    pname = "request_priority" if "request_priority" in p else "priority"
-    tenant = p.get("tenant")
+    pname = P.REQUEST_PRIORITY if P.REQUEST_PRIORITY in p else PLAIN_PRIORITY
+    tenant = p.get(P.TENANT)
     if tenant is not None and not isinstance(tenant, str):
         tenant = str(tenant)
     return RequestSettings(
         sampling=sampling,
-        stream=_as_bool("stream", p["stream"]) if "stream" in p else True,
-        max_tokens_given="max_tokens" in p,
+        stream=_as_bool(P.STREAM, p[P.STREAM]) if P.STREAM in p else True,
+        max_tokens_given=P.MAX_TOKENS in p,
         tenant=tenant or None,
         priority=_as_int(pname, p[pname]) if pname in p else 0,
         timeout=timeout,
     )
 
 
-def fit_context(settings: RequestSettings, prompt_len: int, max_model_len: int, param: str) -> None:
+def fit_context(settings: RequestSettings, prompt_len: int, context_window: int, param: str) -> None:
     """Reject prompts that leave no room to generate; shorten a default max_tokens to fit.
 
     An explicit max_tokens that does not fit is an error (as in the OpenAI API) rather than a
@@ -180,17 +175,17 @@ def fit_context(settings: RequestSettings, prompt_len: int, max_model_len: int, 
     """
     if prompt_len < 1:
         raise invalid_request(param, "the prompt is empty")
-    if prompt_len >= max_model_len:
+    if prompt_len >= context_window:
         raise invalid_request(param, f"the prompt has {prompt_len} tokens but the context window is "
-                                     f"{max_model_len} tokens (at least one must be left to generate)")
-    room = max_model_len - prompt_len
+                                     f"{context_window} tokens (at least one must be left to generate)")
+    room = context_window - prompt_len
     sp = settings.sampling
     if sp.max_tokens is None:
         sp.max_tokens = room
     elif sp.max_tokens > room:
         if settings.max_tokens_given:
-            raise invalid_request("max_tokens", f"max_tokens {sp.max_tokens} plus the prompt's {prompt_len} "
-                                                f"tokens exceed the context window of {max_model_len} tokens")
+            raise invalid_request(P.MAX_TOKENS, f"max_tokens {sp.max_tokens} plus the prompt's {prompt_len} "
+                                                f"tokens exceed the context window of {context_window} tokens")
         sp.max_tokens = room
     if sp.min_tokens > sp.max_tokens:
-        raise invalid_request("min_tokens", f"min_tokens {sp.min_tokens} exceeds max_tokens {sp.max_tokens}")
+        raise invalid_request(P.MIN_TOKENS, f"min_tokens {sp.min_tokens} exceeds max_tokens {sp.max_tokens}")

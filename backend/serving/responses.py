@@ -1,11 +1,8 @@
-"""StepDelta -> the engine model's output tensors (numpy), as listed in docs/architecture.md.
+"""StepDelta -> the engine model's output tensors (numpy): names, dtypes and dims are
+backend/protocol.py's ENGINE_OUTPUTS, in that order.
 
-    output_ids  INT32[-1]  the delta's token ids      window_ids INT32[-1]  context + new ids
-    num_sent    INT32[1]   ids of the window sent      max_chars  INT32[1]   stop-string cut (-1: none)
-    finish_reason BYTES[1] "" | stop | length | abort  index      INT32[1]   the choice
-    prompt_tokens / completion_tokens / cached_tokens INT32[1]
-    logprobs    BYTES[1]   JSON [{"id","logprob","top":[[id,logprob],...]}] or ""
-    metrics     BYTES[1]   JSON {"queue_time","ttft","num_preemptions"} on the final response, else ""
+    logprobs    JSON [{"id","logprob","top":[[id,logprob],...]}] or ""
+    metrics     JSON {"queue_time","ttft","num_preemptions"} on the final response, else ""
 """
 from __future__ import annotations
 
@@ -13,6 +10,7 @@ import json
 
 import numpy as np
 
+from backend import protocol as P
 from backend.outputs import StepDelta
 from backend.serving.tensors import int_array, string_array
 
@@ -35,20 +33,20 @@ def engine_outputs(delta: StepDelta, *, ttft: float | None = None) -> dict[str, 
                               "ttft": None if ttft is None else round(ttft, 6),
                               "num_preemptions": delta.num_preemptions})
     return {
-        "output_ids": int_array(delta.new_token_ids),
-        "window_ids": int_array(delta.window_ids),
-        "num_sent": _int1(delta.num_sent),
-        "max_chars": _int1(delta.max_chars),
-        "finish_reason": string_array(delta.finish_reason or "" if delta.finished else ""),
-        "index": _int1(delta.index),
-        "prompt_tokens": _int1(delta.prompt_tokens),
-        "completion_tokens": _int1(delta.completion_tokens),
-        "cached_tokens": _int1(delta.cached_tokens),
-        "logprobs": string_array(logprobs_json(delta)),
-        "metrics": string_array(metrics),
+        P.OUTPUT_IDS: int_array(delta.new_token_ids),
+        P.WINDOW_IDS: int_array(delta.window_ids),
+        P.NUM_SENT: _int1(delta.num_sent),
+        P.MAX_CHARS: _int1(delta.max_chars),
+        P.FINISH_REASON: string_array(delta.finish_reason or "" if delta.finished else ""),
+        P.INDEX: _int1(delta.index),
+        P.PROMPT_TOKENS: _int1(delta.prompt_tokens),
+        P.COMPLETION_TOKENS: _int1(delta.completion_tokens),
+        P.CACHED_TOKENS: _int1(delta.cached_tokens),
+        P.LOGPROBS: string_array(logprobs_json(delta)),
+        P.METRICS: string_array(metrics),
     }
 
 
 def control_outputs(stopped: bool) -> dict[str, np.ndarray]:
     """The answer to an abort control request: finish_reason "abort" if a request was stopped."""
-    return {"finish_reason": string_array("abort" if stopped else ""), "index": _int1(0)}
+    return {P.FINISH_REASON: string_array("abort" if stopped else ""), P.INDEX: _int1(0)}

@@ -6,7 +6,7 @@ import pathlib
 
 import numpy as np
 
-from backend.serving.errors import invalid_request
+from backend.errors import invalid_request
 
 
 def config_parameters(model_config: str | dict) -> dict[str, str]:

@@ -167,6 +167,21 @@ def test_preprocessing_and_postprocessing_adapters(pb):
     assert lp[0]["logprob"] == -0.5 and lp[0]["top_logprobs"][0]["bytes"] == lp[0]["bytes"]
 
 
+def test_preprocessing_validates_against_the_engines_context_window(pb, tmp_path):
+    """The pool (8 blocks of 16 tokens) bounds the window to 128, below the checkpoint's 1024: a
+    prompt the engine could never hold is rejected by preprocessing, naming the prompt."""
+    repo = generate_repository(tmp_path / "r", model_dir("tiny"), models=["preprocessing"],
+                               engine_options={"num_kv_blocks": "8"})
+    pre = load(repo, "preprocessing", {})
+    assert pre.pre.context_window == 128
+    fits, too_long = pre.execute([Request("a", {"text_input": np.array([b"hi " * 20], dtype=object)}, {}),
+                                  Request("b", {"text_input": np.array([b"hi " * 200], dtype=object)}, {})])
+    assert fits.error is None
+    assert too_long.error.code == "INVALID_ARG"
+    assert too_long.error.msg.startswith("[invalid_request param=text_input] the prompt has")
+    assert "context window is 128 tokens" in too_long.error.msg
+
+
 def test_engine_adapter_streams_then_survives_a_crash(pb):
     engine = load(pb, "engine", {"model_transaction_policy": {"decoupled": True}})
     svc = engine.service

@@ -1,4 +1,4 @@
-"""Request parameters, error tags and model-repository generation (no server)."""
+"""Request parameters, the context window and model-repository generation (no server)."""
 from __future__ import annotations
 
 import math
@@ -7,10 +7,12 @@ from dataclasses import fields
 import pytest
 
 from backend.config import EngineArgs
-from backend.serving.errors import RequestError, tagged
+from backend.context import context_window_for
+from backend.errors import EngineError, ErrorKind
 from backend.serving.repository import (TEMPLATES, declared_parameters, generate_repository,
                                         parse_engine_options, set_instance_count, set_parameter)
 from backend.serving.request_params import fit_context, parse_parameters, request_settings
+from tests.conftest import model_dir
 
 
 def test_parameters_are_coerced_from_triton_types():
@@ -36,36 +38,45 @@ def test_parameters_are_coerced_from_triton_types():
     ({"seed": True}, "seed"),
 ])
 def test_bad_parameters_name_the_parameter(params, param):
-    with pytest.raises(RequestError) as info:
+    with pytest.raises(EngineError) as info:
         request_settings(params)
-    assert str(info.value).startswith(f"[invalid_request param={param}] ")
+    assert (info.value.kind, info.value.param) == (ErrorKind.INVALID_REQUEST, param)
+    assert str(info.value).startswith(param)            # the message names it too
 
 
 def test_parameters_json_errors():
-    with pytest.raises(RequestError, match=r"param=parameters"):
+    with pytest.raises(EngineError) as info:
         parse_parameters("{nope")
+    assert info.value.param == "parameters"
     assert parse_parameters("") == {} and parse_parameters(None) == {}
+
+
+def _param_of(call) -> str:
+    with pytest.raises(EngineError) as info:
+        call()
+    assert info.value.kind == ErrorKind.INVALID_REQUEST
+    return info.value.param
 
 
 def test_fit_context():
     s = request_settings({})
     fit_context(s, 60, 64, "text_input")                # a default max_tokens shrinks to fit
     assert s.sampling.max_tokens == 4
-    with pytest.raises(RequestError, match=r"param=max_tokens"):
-        fit_context(request_settings({"max_tokens": 5}), 60, 64, "text_input")
-    with pytest.raises(RequestError, match=r"param=text_input\] the prompt has 64 tokens"):
+    assert _param_of(lambda: fit_context(request_settings({"max_tokens": 5}), 60, 64, "text_input")) == "max_tokens"
+    with pytest.raises(EngineError, match=r"^the prompt has 64 tokens") as info:
         fit_context(request_settings({}), 64, 64, "text_input")
-    with pytest.raises(RequestError, match=r"param=min_tokens"):
-        fit_context(request_settings({"min_tokens": 9, "max_tokens": 4}), 3, 64, "text_input")
+    assert info.value.param == "text_input"
+    assert _param_of(lambda: fit_context(request_settings({"min_tokens": 9, "max_tokens": 4}), 3, 64,
+                                         "text_input")) == "min_tokens"
 
 
-def test_tagged_keeps_existing_tags_and_names_params():
-    from backend.engine.errors import QueueFullError
-
-    assert tagged(QueueFullError("full", retry_after=3)).kind == "queue_full"
-    assert str(tagged(ValueError("top_p must be in (0, 1]"))).startswith("[invalid_request param=top_p]")
-    assert tagged(RuntimeError("[unavailable] down")).kind == "unavailable"
-    assert str(tagged(KeyError("x"))).startswith("[internal] KeyError")
+def test_context_window_is_clamped_by_the_kv_pool(tiny_model):
+    cfg_len = 1024                                      # the tiny preset's max_position_embeddings
+    assert context_window_for(tiny_model, EngineArgs(num_kv_blocks=1000)) == cfg_len
+    assert context_window_for(tiny_model, EngineArgs(num_kv_blocks=10, block_size=16)) == 160
+    assert context_window_for(tiny_model, EngineArgs(num_kv_blocks=1000, max_model_len=300)) == 300
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        context_window_for(tiny_model, EngineArgs(max_model_len=cfg_len + 1))
 
 
 def test_every_engine_arg_is_a_config_parameter():
@@ -77,15 +88,24 @@ def test_every_engine_arg_is_a_config_parameter():
 
 
 def test_generate_repository(tmp_path):
-    repo = generate_repository(tmp_path / "repo", "/models/x", engine_options={"block_size": "32",
-                                                                                "max_model_len": "512"},
+    tiny = model_dir("tiny")
+    repo = generate_repository(tmp_path / "repo", tiny, engine_options={"block_size": "32",
+                                                                        "max_model_len": "512"},
                                instances={"postprocessing": 3})
     assert sorted(p.name for p in repo.iterdir()) == ["engine", "llm", "postprocessing", "preprocessing"]
     eng = declared_parameters((repo / "engine" / "config.pbtxt").read_text())
-    assert eng["model_dir"] == "/models/x" and eng["block_size"] == "32"
-    assert declared_parameters((repo / "preprocessing" / "config.pbtxt").read_text())["max_model_len"] == "512"
+    assert eng["model_dir"] == str(tiny.resolve()) and eng["block_size"] == "32"
+    assert declared_parameters((repo / "preprocessing" / "config.pbtxt").read_text())["context_window"] == "512"
     assert "count: 3" in (repo / "postprocessing" / "config.pbtxt").read_text()
     assert (repo / "llm" / "1").is_dir()
+
+
+def test_preprocessing_gets_the_engines_context_window_with_the_pool_clamp(tmp_path):
+    """A pool of 8 blocks of 16 holds 128 tokens: preprocessing validates against 128, not the
+    checkpoint's 1024 (it used to read config.json alone and admit prompts the engine rejects)."""
+    repo = generate_repository(tmp_path / "repo", model_dir("tiny"), models=["preprocessing"],
+                               engine_options={"num_kv_blocks": "8"})
+    assert declared_parameters((repo / "preprocessing" / "config.pbtxt").read_text())["context_window"] == "128"
 
 
 def test_engine_options_are_validated():

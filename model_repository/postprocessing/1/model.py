@@ -2,45 +2,42 @@
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from backend.serving.errors import tagged
-from backend.serving.postprocess import Postprocessor
+from backend import protocol as P
+from backend.serving.errors import as_engine_error, to_wire, triton_code
+from backend.serving.postprocess import Postprocessor, skip_special_tokens
 from backend.serving.request_params import parse_parameters
 from backend.serving.tensors import config_parameters, one_string, require_model_dir, string_array
-
-PASS_THROUGH = ("output_ids", "index", "prompt_tokens", "completion_tokens", "cached_tokens", "metrics")
 
 
 def _np(request, name):
     return pb_utils.get_input_tensor_by_name(request, name).as_numpy()
 
 
-def _skip_special(request):
-    value = parse_parameters(request.parameters()).get("skip_special_tokens", True)
-    return value if isinstance(value, bool) else str(value).lower() not in ("false", "0", "no")
+def _int(request, name):
+    return int(_np(request, name).reshape(-1)[0])
 
 
 class TritonPythonModel:
     def initialize(self, args):
         params = config_parameters(args["model_config"])
-        self.post = Postprocessor(require_model_dir(params.get("model_dir", "")))
+        self.post = Postprocessor(require_model_dir(params.get(P.MODEL_DIR, "")))
 
     def execute(self, requests):
         responses = []
         for request in requests:
             try:
-                finish = one_string(_np(request, "finish_reason"), "finish_reason") or ""
-                text = self.post.text([int(t) for t in _np(request, "window_ids").reshape(-1)],
-                                      int(_np(request, "num_sent").reshape(-1)[0]),
-                                      int(_np(request, "max_chars").reshape(-1)[0]), finish,
-                                      skip_special_tokens=_skip_special(request))
-                logprobs = self.post.logprobs(one_string(_np(request, "logprobs"), "logprobs") or "")
-                outputs = [pb_utils.Tensor("text_output", string_array(text)),
-                           pb_utils.Tensor("finish_reason", string_array(finish)),
-                           pb_utils.Tensor("logprobs", string_array(logprobs))]
-                outputs += [pb_utils.Tensor(name, np.ascontiguousarray(_np(request, name))) for name in PASS_THROUGH]
+                finish = one_string(_np(request, P.FINISH_REASON), P.FINISH_REASON) or ""
+                text = self.post.text([int(t) for t in _np(request, P.WINDOW_IDS).reshape(-1)],
+                                      _int(request, P.NUM_SENT), _int(request, P.MAX_CHARS), finish,
+                                      skip_special_tokens=skip_special_tokens(parse_parameters(request.parameters())))
+                logprobs = self.post.logprobs(one_string(_np(request, P.LOGPROBS), P.LOGPROBS) or "")
+                outputs = [pb_utils.Tensor(P.TEXT_OUTPUT, string_array(text)),
+                           pb_utils.Tensor(P.FINISH_REASON, string_array(finish)),
+                           pb_utils.Tensor(P.LOGPROBS, string_array(logprobs))]
+                outputs += [pb_utils.Tensor(name, np.ascontiguousarray(_np(request, name))) for name in P.PASS_THROUGH]
                 responses.append(pb_utils.InferenceResponse(output_tensors=outputs))
             except Exception as exc:
-                err = tagged(exc)
-                responses.append(pb_utils.InferenceResponse(
-                    output_tensors=[], error=pb_utils.TritonError(str(err), pb_utils.TritonError.INTERNAL)))
+                err = as_engine_error(exc)
+                responses.append(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(
+                    to_wire(err), getattr(pb_utils.TritonError, triton_code(err)))))
         return responses

@@ -1,0 +1,143 @@
+"""The wire protocol: model names, tensor names / dtypes / dims, and request parameter names.
+
+Everything that reads or writes a Triton tensor or a request parameter -- the model.py adapters,
+backend/serving (responses, tensors, request_params), postprocessing and the clients -- names it
+through this module, and tests/unit/test_protocol.py checks it against every
+``model_repository/*/config.pbtxt``, so a tensor renamed in one place only fails a test instead of
+failing a request at run time.
+
+    client --text_input | messages--> llm (ensemble)
+        preprocessing: text_input | messages -> input_ids
+        engine:        input_ids -> output_ids, window_ids, num_sent, max_chars, finish_reason, index,
+                                    prompt_tokens, completion_tokens, cached_tokens, logprobs, metrics
+        postprocessing: the engine's outputs -> text_output + the rest (see PASS_THROUGH)
+    client <--text_output, finish_reason, index, *_tokens, output_ids, logprobs, metrics--
+
+Request parameters are OpenAI's names; the same parameters reach every step of the ensemble.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# -- models --------------------------------------------------------------------------------------
+ENSEMBLE = "llm"
+PREPROCESSING = "preprocessing"
+ENGINE = "engine"
+POSTPROCESSING = "postprocessing"
+
+# -- tensors -------------------------------------------------------------------------------------
+TEXT_INPUT = "text_input"           # a prompt
+MESSAGES = "messages"               # OpenAI chat messages as JSON
+INPUT_IDS = "input_ids"
+OUTPUT_IDS = "output_ids"           # the response's new token ids
+WINDOW_IDS = "window_ids"           # context + new ids, detokenized statelessly (backend/detokenizer.py)
+NUM_SENT = "num_sent"               # ids of the window whose text was already sent
+MAX_CHARS = "max_chars"             # a stop string's cut of the final text (-1: none)
+FINISH_REASON = "finish_reason"     # "" while running | stop | length | abort | error
+INDEX = "index"                     # the choice (n > 1)
+PROMPT_TOKENS = "prompt_tokens"
+COMPLETION_TOKENS = "completion_tokens"
+CACHED_TOKENS = "cached_tokens"
+LOGPROBS = "logprobs"               # JSON (engine: ids; ensemble: OpenAI chat shape) or ""
+METRICS = "metrics"                 # JSON {"queue_time","ttft","num_preemptions"} on the final response
+TEXT_OUTPUT = "text_output"         # the response's text delta
+
+INT32 = "INT32"
+STRING = "STRING"                   # config.pbtxt's TYPE_STRING, tritonclient's "BYTES"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One input or output as config.pbtxt declares it (``data_type: TYPE_<dtype>``)."""
+    name: str
+    dtype: str
+    dims: tuple[int, ...]
+    optional: bool = False
+
+    @property
+    def client_dtype(self) -> str:
+        """The datatype tritonclient's InferInput takes."""
+        return "BYTES" if self.dtype == STRING else self.dtype
+
+
+@dataclass(frozen=True)
+class ModelIO:
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+    def input(self, name: str) -> TensorSpec:
+        return next(t for t in self.inputs if t.name == name)
+
+
+def _ids(name: str, optional: bool = False) -> TensorSpec:
+    return TensorSpec(name, INT32, (-1,), optional)
+
+
+def _int1(name: str) -> TensorSpec:
+    return TensorSpec(name, INT32, (1,))
+
+
+def _str1(name: str, optional: bool = False) -> TensorSpec:
+    return TensorSpec(name, STRING, (1,), optional)
+
+
+PROMPT_INPUTS = (_str1(TEXT_INPUT, optional=True), _str1(MESSAGES, optional=True))
+# The engine's outputs, in the order engine_outputs() builds them (backend/serving/responses.py).
+ENGINE_OUTPUTS = (_ids(OUTPUT_IDS), _ids(WINDOW_IDS), _int1(NUM_SENT), _int1(MAX_CHARS), _str1(FINISH_REASON),
+                  _int1(INDEX), _int1(PROMPT_TOKENS), _int1(COMPLETION_TOKENS), _int1(CACHED_TOKENS),
+                  _str1(LOGPROBS), _str1(METRICS))
+# What a text client gets: the engine's outputs detokenized (window/num_sent/max_chars -> text).
+TEXT_OUTPUTS = (_str1(TEXT_OUTPUT), _str1(FINISH_REASON), _ids(OUTPUT_IDS), _int1(INDEX), _int1(PROMPT_TOKENS),
+                _int1(COMPLETION_TOKENS), _int1(CACHED_TOKENS), _str1(LOGPROBS), _str1(METRICS))
+# Engine outputs postprocessing copies unchanged (it rewrites text_output, finish_reason, logprobs).
+PASS_THROUGH = (OUTPUT_IDS, INDEX, PROMPT_TOKENS, COMPLETION_TOKENS, CACHED_TOKENS, METRICS)
+
+MODELS: dict[str, ModelIO] = {
+    ENSEMBLE: ModelIO(PROMPT_INPUTS, TEXT_OUTPUTS),
+    PREPROCESSING: ModelIO(PROMPT_INPUTS, (_ids(INPUT_IDS),)),
+    ENGINE: ModelIO((_ids(INPUT_IDS, optional=True),), ENGINE_OUTPUTS),
+    POSTPROCESSING: ModelIO(ENGINE_OUTPUTS, TEXT_OUTPUTS),
+}
+
+# -- request parameters --------------------------------------------------------------------------
+STREAM = "stream"
+N = "n"
+MAX_TOKENS = "max_tokens"
+MAX_COMPLETION_TOKENS = "max_completion_tokens"   # OpenAI's newer name for max_tokens
+MIN_TOKENS = "min_tokens"
+TEMPERATURE = "temperature"
+TOP_P = "top_p"
+TOP_K = "top_k"
+MIN_P = "min_p"
+SEED = "seed"
+PRESENCE_PENALTY = "presence_penalty"
+FREQUENCY_PENALTY = "frequency_penalty"
+REPETITION_PENALTY = "repetition_penalty"
+STOP = "stop"                       # JSON list of strings (or one string)
+STOP_TOKEN_IDS = "stop_token_ids"   # JSON list of ints
+IGNORE_EOS = "ignore_eos"
+SKIP_SPECIAL_TOKENS = "skip_special_tokens"
+LOGPROBS_PARAM = "logprobs"         # bool (chat) or int (completions); same name as the tensor
+TOP_LOGPROBS = "top_logprobs"
+TENANT = "tenant"                   # salts the prefix cache: tenants never share cached blocks
+# Triton's front ends consume "priority" and "timeout" themselves (they never reach a model).
+REQUEST_PRIORITY = "request_priority"
+REQUEST_TIMEOUT = "request_timeout"
+ABORT_REQUEST_ID = "abort_request_id"   # a control request to the engine: stop that request
+# Model-level parameters (config.pbtxt ``parameters``), not per request.
+MODEL_DIR = "model_dir"
+CONTEXT_WINDOW = "context_window"   # preprocessing: the engine's context_window() (backend/context.py)
+
+INT_PARAMS = (N, MAX_TOKENS, MIN_TOKENS, TOP_K, SEED, TOP_LOGPROBS, REQUEST_PRIORITY)
+FLOAT_PARAMS = (TEMPERATURE, TOP_P, MIN_P, PRESENCE_PENALTY, FREQUENCY_PENALTY, REPETITION_PENALTY,
+                REQUEST_TIMEOUT)
+BOOL_PARAMS = (STREAM, IGNORE_EOS, SKIP_SPECIAL_TOKENS)
+LIST_PARAMS = (STOP, STOP_TOKEN_IDS)
+# SamplingParams fields set from request parameters of the same name (logprobs is derived).
+SAMPLING_PARAMS = (N, MAX_TOKENS, MIN_TOKENS, TEMPERATURE, TOP_P, TOP_K, MIN_P, SEED, PRESENCE_PENALTY,
+                   FREQUENCY_PENALTY, REPETITION_PENALTY, STOP, STOP_TOKEN_IDS, IGNORE_EOS,
+                   SKIP_SPECIAL_TOKENS)
+# Names a client may use that Triton's gRPC front end would consume: sent under the right name.
+RENAMED_PARAMS = {"priority": REQUEST_PRIORITY, "timeout": REQUEST_TIMEOUT}
+# Reserved by Triton's gRPC front end (tritonclient refuses them or they never reach a model).
+RESERVED_PARAMS = ("sequence_id", "sequence_start", "sequence_end", "headers", "binary_data_output")
