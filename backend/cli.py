@@ -1,6 +1,7 @@
 """``triton-llm``: the project's command line.
 
     triton-llm make-model PRESET --out DIR [--seed N]   make a local checkpoint
+    triton-llm import-gguf FILE --out DIR [--dtype D]   a llama.cpp GGUF -> a checkpoint dir
     triton-llm serve [--model DIR] [...]                 tritonserver + OpenAI shim
     triton-llm chat [--url HOST:PORT]                    terminal chat over tritonclient gRPC
 """
@@ -10,19 +11,10 @@ import argparse
 import pathlib
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-DEFAULT_MODEL_DIR = ROOT / "models" / "default"
-DEFAULT_PRESET = "tiny"
-
-
-def ensure_default_model() -> pathlib.Path:
-    """The bundled demo model: made from the default preset on first use."""
-    from backend.make_model import make_model
-
-    if not (DEFAULT_MODEL_DIR / "model.safetensors").exists():
-        print(f"[triton-llm] making the default model ({DEFAULT_PRESET}) in {DEFAULT_MODEL_DIR}", flush=True)
-        make_model(DEFAULT_PRESET, DEFAULT_MODEL_DIR)
-    return DEFAULT_MODEL_DIR
+# KV pool for `serve` when no kv_cache_memory / num_kv_blocks option is given: 1 GiB holds about
+# 23k tokens of SmolLM2-135M in fp32 (46 KB a token), so its full 8,192-token window fits with
+# room for a few concurrent conversations, and is small next to this machine's 24 GB.
+SERVE_KV_CACHE_MEMORY = 1 << 30
 
 
 def _cmd_make_model(args: argparse.Namespace) -> int:
@@ -33,11 +25,26 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_import_gguf(args: argparse.Namespace) -> int:
+    from backend.model.gguf_import import import_gguf
+    from backend.model.gguf_reader import GGUFError
+
+    try:
+        import_gguf(args.file, args.out, dtype=args.dtype, progress=lambda m: print(m, flush=True))
+    except (GGUFError, FileNotFoundError) as exc:
+        print(f"import-gguf: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from backend.default_model import ensure_default_model
     from backend.serving.launcher import serve_main
 
     if args.model is None:
         args.model = str(ensure_default_model())
+    if not any(o.split("=", 1)[0].strip() in ("kv_cache_memory", "num_kv_blocks") for o in args.engine_option):
+        args.engine_option.append(f"kv_cache_memory={SERVE_KV_CACHE_MEMORY}")
     return serve_main(args)
 
 
@@ -60,8 +67,16 @@ def build_parser() -> argparse.ArgumentParser:
     mm.add_argument("--seed", type=int, default=0)
     mm.set_defaults(func=_cmd_make_model)
 
+    ig = sub.add_parser("import-gguf", help="convert a llama-family GGUF into a checkpoint directory")
+    ig.add_argument("file", help="the .gguf file (llama, mistral or qwen2 architecture)")
+    ig.add_argument("--out", required=True, help="checkpoint directory to write (replaced if present)")
+    ig.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                    help="dtype of the dequantized weights (default float32: exact)")
+    ig.set_defaults(func=_cmd_import_gguf)
+
     sv = sub.add_parser("serve", help="start tritonserver on the model repository and the OpenAI shim")
-    sv.add_argument("--model", default=None, help="Hugging Face checkpoint directory (default: bundled demo model)")
+    sv.add_argument("--model", default=None, help="Hugging Face checkpoint directory (default: SmolLM2-135M-Instruct in "
+                    "models/default, fetched and imported on first use)")
     sv.add_argument("--host", default="127.0.0.1", help="address for Triton's ports and the shim")
     sv.add_argument("--http-port", type=int, default=8000)
     sv.add_argument("--grpc-port", type=int, default=8001)

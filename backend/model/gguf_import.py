@@ -1,0 +1,104 @@
+"""``triton-llm import-gguf FILE --out DIR``: a llama-family GGUF -> a Hugging Face checkpoint dir.
+
+The directory holds config.json, generation_config.json, model.safetensors (or shards of about
+2 GB with an index), tokenizer.json and tokenizer_config.json (with the chat template), and loads
+in this engine and in transformers like any other checkpoint. Weights are dequantized to the
+chosen dtype (float32 by default: the exact values of the quantized blocks); the packed blocks stay
+readable through :func:`backend.model.gguf_reader.quantized_tensors`.
+
+The directory is written under a temporary name and renamed at the end, so an interrupted import
+never leaves something that looks complete.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import pathlib
+import shutil
+import time
+from dataclasses import dataclass, field
+
+from backend.model.gguf_config import generation_config, hf_config
+from backend.model.gguf_reader import GGUFFile
+from backend.model.gguf_tokenizer import build_tokenizer
+
+SHARD_BYTES = 2 << 30
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class ImportResult:
+    out: pathlib.Path
+    seconds: float
+    architecture: str
+    tensor_types: dict[str, int] = field(default_factory=dict)   # GGML type -> tensor count
+    parameters: int = 0
+
+
+def _write_weights(tensors, tmp: pathlib.Path, dtype: str, progress) -> tuple[int, set[str]]:
+    import torch
+    from safetensors.torch import save_file
+
+    target = getattr(torch, dtype)
+    shards: list[dict] = [{}]
+    size = params = 0
+    names: set[str] = set()
+    for i, t in enumerate(tensors):
+        w = torch.from_numpy(t.dequantize()).to(target).contiguous()
+        if size and size + w.numel() * w.element_size() > SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][t.name] = w
+        size += w.numel() * w.element_size()
+        params += w.numel()
+        names.add(t.name)
+        if progress and (i + 1) % 50 == 0:
+            progress(f"  {i + 1} tensors dequantized")
+    if len(shards) == 1:
+        save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        return params, names
+    weight_map = {}
+    for k, shard in enumerate(shards, 1):
+        fname = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(tmp / fname), metadata={"format": "pt"})
+        weight_map.update({n: fname for n in shard})
+    (tmp / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": sum(w.numel() * w.element_size() for s in shards for w in s.values())},
+         "weight_map": weight_map}, indent=2) + "\n")
+    return params, names
+
+
+def import_gguf(path: str | pathlib.Path, out: str | pathlib.Path, *, dtype: str = "float32",
+                progress=print) -> ImportResult:
+    """Convert one GGUF; GGUFError (a ValueError) when the file is not supported, before writing."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)} (got {dtype!r})")
+    start = time.perf_counter()
+    out = pathlib.Path(out)
+    gf = GGUFFile(path)
+    tok = build_tokenizer(gf)
+    tensors = list(gf.tensors())          # checks every name and type before anything is written
+    types = dict(collections.Counter(t.qtype for t in tensors))
+    if progress:
+        progress(f"[import-gguf] {pathlib.Path(path).name}: {gf.architecture}, {len(tensors)} tensors "
+                 f"({', '.join(f'{n} {k}' for k, n in sorted(types.items()))}) -> {out} ({dtype})")
+    tmp = out.parent / f".{out.name}.importing"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        params, names = _write_weights(tensors, tmp, dtype, progress)
+        config = hf_config(gf, tok, tensor_names=names, dtype=dtype)
+        config.save_pretrained(tmp)
+        (tmp / "generation_config.json").write_text(json.dumps(generation_config(tok), indent=2) + "\n")
+        tok.save(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    result = ImportResult(out=out, seconds=time.perf_counter() - start, architecture=gf.architecture,
+                          tensor_types=types, parameters=params)
+    if progress:
+        progress(f"[import-gguf] wrote {out} ({params / 1e6:.1f}M parameters) in {result.seconds:.1f}s")
+    return result
