@@ -6,8 +6,9 @@ from typing import Any, Sequence
 
 from backend.config import EngineArgs
 from backend.detokenizer import decode_delta
-from backend.engine.errors import QueueFullError
+from backend.engine.admission import validate_request
 from backend.engine.llm_engine import LLMEngine
+from backend.errors import EngineError, ErrorKind
 from backend.outputs import CompletionOutput, RequestOutput, StepDelta
 from backend.sampling_params import SamplingParams
 
@@ -24,8 +25,9 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Outputs in prompt order. ``prompts``: a string, strings, or token-id lists;
-        ``sampling_params``: one for all, or one per prompt. Invalid input raises ValueError
-        before anything runs."""
+        ``sampling_params``: one for all, or one per prompt. Invalid input raises before anything
+        runs: ValueError for malformed arguments, EngineError (invalid_request, with ``param``)
+        for a request the engine can never run. A full waiting queue just waits for room."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompt_ids = [self._encode(p) for p in prompts]
@@ -37,7 +39,7 @@ class LLM:
                 raise ValueError(f"got {len(params)} sampling params for {len(prompt_ids)} prompts")
         ids = [f"llm-{next(self._ids)}" for _ in prompt_ids]
         for rid, toks, p in zip(ids, prompt_ids, params):
-            self.engine.validate_request(rid, toks, p)
+            validate_request(self.engine.limits, rid, toks, p)
 
         finals: dict[str, dict[int, StepDelta]] = {rid: {} for rid in ids}
         n_of = {rid: p.n for rid, p in zip(ids, params)}
@@ -49,7 +51,9 @@ class LLM:
                 rid, toks, p = todo[-1]
                 try:
                     engine.add_request(rid, toks, p, stream=False)
-                except QueueFullError:
+                except EngineError as exc:
+                    if exc.kind is not ErrorKind.QUEUE_FULL:
+                        raise
                     break
                 todo.pop()
             for d in engine.step():

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from backend.errors import EngineError
+
 
 @dataclass
 class TokenLogprob:
@@ -28,7 +30,9 @@ class StepDelta:
     max_chars: int = -1                     # -1 = no cut
     finished: bool = False
     finish_reason: str | None = None        # "stop" | "length" | "abort" | "error"
-    error: str | None = None
+    # Why the engine ended the choice, set only then: kind deadline with finish_reason "abort"
+    # (the request's deadline passed); internal / unavailable with "error" (the engine failed).
+    error: EngineError | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_tokens: int = 0
     completion_tokens: int = 0

@@ -5,6 +5,15 @@ import math
 from dataclasses import dataclass, field
 
 
+class InvalidSamplingParam(ValueError):
+    """A setting out of range. ``param`` names it, so the engine tags the error without reading
+    the message (a ValueError, so offline callers can catch it as one)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -35,7 +44,7 @@ class SamplingParams:
 
     def validate(self) -> None:
         def bad(name: str, why: str) -> None:
-            raise ValueError(f"{name} {why}")
+            raise InvalidSamplingParam(name, f"{name} {why}")
 
         def finite(name: str, v: float) -> None:
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):

@@ -1,6 +1,8 @@
-"""The engine: sequences, scheduler, sampler, stop checks, LLMEngine (step API), EngineLoop (thread)."""
-from backend.engine.errors import QueueFullError
+"""The engine: sequences, scheduler, sampler, stop checks, LLMEngine (step API), EngineLoop (thread).
+
+Errors it raises or reports are backend.errors.EngineError (one type, with a kind)."""
+from backend.engine.admission import EngineLimits
 from backend.engine.llm_engine import LLMEngine
 from backend.engine.stats import EngineStats
 
-__all__ = ["EngineStats", "LLMEngine", "QueueFullError"]
+__all__ = ["EngineLimits", "EngineStats", "LLMEngine"]

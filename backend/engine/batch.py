@@ -5,7 +5,7 @@ Sequences go back to back; each contributes its chunk of new tokens::
     input_ids     [ s0 chunk ....... | s1 | s2 chunk .... | s3 ]
     cu_seqlens_q  0                  5    6               10   11
     logits rows   only for sequences whose chunk reaches their last known token (they sample):
-                  cu_seqlens_q[i + 1] - 1
+                  cu_seqlens_q[i + 1] - 1   (the scheduler's SchedulerOutput.sampling, in order)
 
 The index arithmetic (positions, slots, padded block tables) is backend/model/batch_builder.py's.
 """
@@ -19,16 +19,11 @@ from backend.model.batch_builder import build_batch as build_chunks
 from backend.model.runner import BatchInput
 
 
-def build_batch(scheduled: list[tuple[Sequence, int]], kv, device: str | torch.device = "cpu"
-                ) -> tuple[BatchInput, list[Sequence]]:
-    """Returns the batch and the sequences that sample, in logits-row order."""
+def build_batch(scheduled: list[tuple[Sequence, int]], kv, device: str | torch.device = "cpu") -> BatchInput:
     chunks: list[SeqChunk] = []
-    samplers: list[Sequence] = []
     for seq, num_new in scheduled:
         start = seq.num_computed_tokens
         end = start + num_new
-        samples = end == seq.num_tokens
-        chunks.append(SeqChunk(seq.token_ids[start:end], start, kv.block_table(seq.seq_id), logits=samples))
-        if samples:
-            samplers.append(seq)
-    return build_chunks(chunks, kv.block_size, device), samplers
+        chunks.append(SeqChunk(seq.token_ids[start:end], start, kv.block_table(seq.seq_id),
+                               logits=end == seq.num_tokens))
+    return build_chunks(chunks, kv.block_size, device)

@@ -4,11 +4,14 @@
     abort(id)   ──►      ↑                         │
     stats()     ◄── snapshot published after every step
 
-Only the engine thread touches the engine. ``submit`` validates synchronously (ValueError,
-QueueFullError) so callers get admission errors at once; adds and aborts are applied between
-steps, so an aborted request's blocks are free before the next step runs. When idle the thread
-blocks on the intake queue (no busy spin). If a step raises, every open request gets a final
-StepDelta with ``finish_reason="error"`` and the loop stops, unhealthy.
+Only the engine thread touches the engine. ``submit`` validates synchronously, so callers get
+admission errors (EngineError) at once, without reading engine state: validation is a pure
+function of the limits captured at startup (admission.py), and the waiting bound is checked
+against the loop's own count (adds not applied yet + what the engine thread last saw waiting),
+kept under the loop's lock. Adds and aborts are applied between steps, so an aborted request's
+blocks are free before the next step runs. When idle the thread blocks on the intake queue (no
+busy spin). If a step raises, every open request gets a final StepDelta with
+``finish_reason="error"`` and an internal EngineError, and the loop stops, unhealthy.
 """
 from __future__ import annotations
 
@@ -19,9 +22,10 @@ import time
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from backend.engine.errors import QueueFullError
+from backend.engine.admission import check_queue, duplicate_id, validate_request
 from backend.engine.llm_engine import LLMEngine
 from backend.engine.stats import EngineStats
+from backend.errors import EngineError, internal, unavailable
 from backend.outputs import StepDelta
 from backend.sampling_params import SamplingParams
 
@@ -33,12 +37,14 @@ _STOP = ("stop",)
 class EngineLoop:
     def __init__(self, engine: LLMEngine, *, name: str = "engine-loop"):
         self.engine = engine
+        self.limits = engine.limits              # immutable: safe to read from any thread
         self.healthy = True
-        self.error: str | None = None
+        self.error: EngineError | None = None
         self._intake: queue.Queue = queue.Queue()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()            # guards the three fields below
         self._open: dict[str, list] = {}        # request id -> [sink, choices not yet final]
         self._queued = 0                        # adds submitted but not applied yet
+        self._engine_waiting = 0                # sequences waiting in the engine, as last seen
         self._accepting = True
         self._stats = engine.stats()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -48,22 +54,19 @@ class EngineLoop:
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams | None = None, *,
                sink: Sink, stream: bool = True, salt: str | None = None, priority: int = 0,
                deadline: float | None = None) -> None:
-        """Queue a request; its StepDeltas go to ``sink``. Raises ValueError / QueueFullError /
-        RuntimeError ("[unavailable] ...") synchronously."""
+        """Queue a request; its StepDeltas go to ``sink``. Raises EngineError synchronously:
+        invalid_request, queue_full, or unavailable (crashed or shutting down)."""
         if not self.healthy:
-            raise RuntimeError(f"[unavailable] engine is not healthy: {self.error}")
+            raise unavailable(f"engine is not healthy: {self.error}")
         if not self._accepting:
-            raise RuntimeError("[unavailable] engine is shutting down")
+            raise unavailable("engine is shutting down")
         params = params or SamplingParams()
         prompt_ids = list(prompt_ids)
+        validate_request(self.limits, request_id, prompt_ids, params)
         with self._lock:
             if request_id in self._open:
-                raise ValueError(f"request_id {request_id!r} is already in use")
-            self.engine.validate_request(request_id, prompt_ids, params)
-            waiting = self.engine.scheduler.num_waiting + self._queued
-            if waiting >= self.engine.args.max_waiting:
-                raise QueueFullError(f"{waiting} requests are waiting (max_waiting="
-                                     f"{self.engine.args.max_waiting})", retry_after=self.engine.retry_after())
+                raise duplicate_id(request_id)
+            check_queue(self.limits, self._engine_waiting + self._queued)
             self._open[request_id] = [sink, params.n]
             self._queued += 1
         self._intake.put(("add", request_id, prompt_ids, params,
@@ -110,10 +113,17 @@ class EngineLoop:
                     self._dispatch(engine.step() if engine.has_unfinished() else [])
                     return
                 if engine.has_unfinished():
-                    self._dispatch(engine.step())
-                    self._stats = engine.stats()
+                    deltas = engine.step()
+                    self._publish()            # before the sinks, which may take their time
+                    self._dispatch(deltas)
         except BaseException as exc:        # noqa: BLE001 - the loop must report every failure
-            self._fail(f"[internal] engine step failed: {type(exc).__name__}: {exc}")
+            self._fail(internal(f"engine step failed: {type(exc).__name__}: {exc}"))
+
+    def _publish(self) -> None:
+        """After a step: the stats snapshot and the waiting count that submit() checks."""
+        self._stats = stats = self.engine.stats()
+        with self._lock:
+            self._engine_waiting = stats.num_waiting
 
     def _apply_intake(self, block: bool) -> bool:
         """Apply every queued command (waiting for one if ``block``); False on shutdown."""
@@ -136,14 +146,15 @@ class EngineLoop:
                 return True
 
     def _add(self, rid: str, prompt_ids: list[int], params: SamplingParams, kw: dict) -> None:
-        with self._lock:
-            self._queued -= 1
         try:
             self.engine.add_request(rid, prompt_ids, params, **kw)
-        except (ValueError, QueueFullError) as exc:   # raced past submit's checks
+        except EngineError as exc:        # queue_full: preemptions filled the queue since submit
             for index in range(params.n):
                 self._dispatch([StepDelta(rid, index, [], [], 0, finished=True, finish_reason="error",
-                                          error=str(exc))])
+                                          error=exc)])
+        with self._lock:
+            self._queued -= 1
+            self._engine_waiting = self.engine.scheduler.num_waiting
 
     def _dispatch(self, deltas: list[StepDelta]) -> None:
         for d in deltas:
@@ -163,7 +174,7 @@ class EngineLoop:
                 if not d.finished:
                     self.engine.abort_request(d.request_id)
 
-    def _fail(self, error: str) -> None:
+    def _fail(self, error: EngineError) -> None:
         log.error("engine loop stopped: %s", error)
         self.healthy = False
         self.error = error

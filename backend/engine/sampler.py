@@ -1,11 +1,15 @@
 """Batched sampling over one step's logits rows (one row per sampling sequence).
 
 Order (vLLM v1): raw logprobs -> penalties -> min_tokens mask -> greedy argmax, or
-temperature -> min-p -> top-k -> top-p -> exponential race.
+temperature -> min-p -> top-k -> top-p -> exponential race. When every row is plain greedy (no
+logprobs, no penalties) only the argmax (and the min_tokens mask of the rows that need it) runs.
 
 - Penalties follow OpenAI/vLLM: presence and frequency over the output tokens (``logit -=
   presence * [count > 0] + frequency * count``), repetition over prompt + output (positive
   logits divided by it, negative ones multiplied).
+- ``min_tokens`` as transformers' ``min_new_tokens``: until a row has that many output tokens,
+  no EOS id and no ``stop_token_ids`` entry can be sampled, ``ignore_eos`` or not (ignore_eos
+  only keeps a sampled EOS from stopping the sequence later).
 - ``logprobs`` are those of the **raw** model distribution (log_softmax of the logits before
   penalties, temperature and truncation): vLLM's default ``raw_logprobs`` mode, so a token's
   logprob does not depend on sampling settings.
@@ -28,9 +32,18 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)   # unseeded requests
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, seqs: list) -> tuple[list[int], list[TokenLogprob | None]]:
-        """logits [R, V] fp32 (one row per sequence); returns token ids and logprobs per row."""
+    def __call__(self, logits: torch.Tensor, seqs: list, rows: list[int] | None = None
+                 ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """logits [R, V] fp32; ``seqs[i]`` samples from row ``rows[i]`` (default: row i).
+        Returns token ids and logprobs per sequence."""
+        if not seqs:
+            return [], []
+        if rows is not None:              # n > 1: a prompt's choices share its one row
+            logits = logits[torch.tensor(rows, device=logits.device)]
         params = [s.params for s in seqs]
+        if all(p.temperature == 0.0 and p.logprobs is None and not p.presence_penalty
+               and not p.frequency_penalty and p.repetition_penalty == 1.0 for p in params):
+            return self._greedy(logits, seqs), [None] * len(seqs)
         want_lp = any(p.logprobs is not None for p in params)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_lp else None
         logits = self._penalize(logits, seqs)
@@ -43,6 +56,19 @@ class Sampler:
         token_list = tokens.tolist()
         logprobs = self._logprobs(raw_logprobs, tokens, params) if want_lp else [None] * len(seqs)
         return token_list, logprobs
+
+    def _greedy(self, logits: torch.Tensor, seqs: list) -> list[int]:
+        """Plain greedy rows: one argmax; a row still under min_tokens takes its argmax again
+        over its own masked copy (no [R, V] clone for the batch)."""
+        tokens = logits.argmax(dim=-1).tolist()
+        for i, s in enumerate(seqs):
+            if s.num_output_tokens < s.params.min_tokens:
+                stop_ids = self._min_tokens_ids(s.params, logits.shape[1])
+                if tokens[i] in stop_ids:
+                    row = logits[i].clone()
+                    row[stop_ids] = float("-inf")
+                    tokens[i] = int(row.argmax())
+        return tokens
 
     # -- logits processors -----------------------------------------------------------------
     def _penalize(self, logits: torch.Tensor, seqs: list) -> torch.Tensor:
@@ -72,12 +98,15 @@ class Sampler:
             return logits
         logits = logits.clone()
         for i in rows:
-            p = seqs[i].params
-            stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
-            stop_ids = [t for t in stop_ids if t < logits.shape[1]]
+            stop_ids = self._min_tokens_ids(seqs[i].params, logits.shape[1])
             if stop_ids:
                 logits[i, stop_ids] = float("-inf")
         return logits
+
+    def _min_tokens_ids(self, p, vocab: int) -> list[int]:
+        """Tokens that cannot be sampled before min_tokens: every EOS id (also with ignore_eos,
+        as transformers' min_new_tokens) and the stop token ids."""
+        return [t for t in (*self.eos_token_ids, *p.stop_token_ids) if t < vocab]
 
     # -- sampling --------------------------------------------------------------------------
     def _sample(self, logits: torch.Tensor, seqs: list, greedy: list[bool]) -> torch.Tensor:

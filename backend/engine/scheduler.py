@@ -1,4 +1,5 @@
-"""Iteration-level scheduler: one token budget per step, chunked prefill, preemption.
+"""Iteration-level scheduler: one token budget per step, chunked prefill, preemption, and what
+happens after the model ran (``update_from_output``).
 
 The one rule (as in vLLM v1): every scheduled sequence's ``num_computed_tokens`` catches up with
 its ``num_tokens`` under a shared per-step budget of ``max_num_batched_tokens``. A decode costs one
@@ -12,8 +13,13 @@ Order of a step:
   2. waiting sequences by (priority, arrival), only if nothing was preempted: first time, attach
      cached prefix blocks; stop at the first one that does not fit (no overtaking). A waiting
      sequence may preempt a running one of strictly lower priority.
+  3. the sequences whose chunk reaches their last token sample; with ``n > 1`` a request whose
+     prompt completes lists its other choices too (new Sequences sharing choice 0's logits row).
+After the model ran, ``update_from_output`` advances computed counts, commits KV blocks, gives
+the new choices the prompt's blocks, appends the sampled tokens, checks stops and finishes.
 
 The scheduler never touches the block pool: it asks the KV manager for room and gets yes/no.
+It owns the open requests (``requests``), so finishing and closing happen in one place.
 """
 from __future__ import annotations
 
@@ -21,7 +27,8 @@ import heapq
 import time
 from dataclasses import dataclass, field
 
-from backend.engine.sequence import SeqStatus, Sequence
+from backend.engine.sequence import Request, SeqStatus, Sequence
+from backend.errors import EngineError
 
 
 @dataclass
@@ -29,19 +36,69 @@ class SchedulerOutput:
     """What runs this step: each sequence with its chunk [num_computed_tokens, + num_new)."""
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-    new_requests: list = field(default_factory=list)      # Requests scheduled for the first time
+    new_requests: list[Request] = field(default_factory=list)   # scheduled for the first time
     num_batched_tokens: int = 0
+    # The sequences that sample this step (new forked choices right after their choice 0) and
+    # the logits row each samples from; None = row i for sequence i (no fork this step).
+    sampling: list[Sequence] = field(default_factory=list)
+    logit_rows: list[int] | None = None
+    forks: list[Sequence] = field(default_factory=list)         # new choices, registered in update
+
+
+@dataclass
+class StepOutcome:
+    """What ``update_from_output`` changed (for deltas and stats)."""
+    sampled: list[Sequence] = field(default_factory=list)      # got a token, in row order
+    finished: list[Sequence] = field(default_factory=list)
+    computed_tokens: int = 0
+    recomputed_tokens: int = 0          # computed again after a preemption
 
 
 class Scheduler:
-    def __init__(self, kv, *, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, kv, *, max_num_seqs: int, max_num_batched_tokens: int, stop_checker=None):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.running: dict[Sequence, None] = {}   # insertion-ordered set, O(1) removal
-        self._waiting: list[Sequence] = []         # heap; finished entries are dropped lazily
+        self.stop_checker = stop_checker           # needed by update_from_output only
+        self.requests: dict[str, Request] = {}     # open requests
+        self._deadlines: dict[str, Request] = {}
+        self.running: dict[Sequence, None] = {}    # insertion-ordered set, O(1) removal
+        self._waiting: list[Sequence] = []          # heap; finished entries are dropped lazily
         self.num_waiting = 0
         self.num_preemptions = 0
+
+    # -- requests --------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        if req.deadline is not None:
+            self._deadlines[req.request_id] = req
+        self.add(req.seqs[0])
+
+    def expired(self, now: float) -> list[Request]:
+        return [r for r in self._deadlines.values() if r.deadline <= now]
+
+    def finish_request(self, req: Request, reason: str, error: EngineError | None) -> list[Sequence]:
+        """Abort / expire / fail every open choice (blocks free on return); returns the choices
+        finished now, one per choice the client still expects a final for."""
+        done = []
+        for seq in req.seqs:
+            if not seq.finished:
+                seq.finish_reason, seq.error = reason, error
+                self.finish(seq)
+                done.append(seq)
+        if not req.forked:          # the client still expects one final per choice
+            req.forked = True
+            for index in range(1, req.params.n):
+                child = req.seqs[0].fork(index)
+                child.status, child.finish_reason, child.error = SeqStatus.FINISHED, reason, error
+                req.seqs.append(child)
+                done.append(child)
+        self._close(req)
+        return done
+
+    def _close(self, req: Request) -> None:
+        self.requests.pop(req.request_id, None)
+        self._deadlines.pop(req.request_id, None)
 
     # -- queue operations ------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -77,7 +134,7 @@ class Scheduler:
         out.preempted.append(seq)
         self.add(seq)          # keeps its arrival time, so it comes back before later arrivals
 
-    # -- the step --------------------------------------------------------------------------
+    # -- before the step -------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
@@ -104,6 +161,7 @@ class Scheduler:
         if not out.preempted:
             budget = self._admit_waiting(out, budget)
         out.num_batched_tokens = self.max_num_batched_tokens - budget
+        self._plan_sampling(out)
         return out
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
@@ -158,3 +216,59 @@ class Scheduler:
         out.scheduled = [(s, n) for s, n in out.scheduled if s is not victim]
         self._preempt(victim, out)
         return True
+
+    @staticmethod
+    def _plan_sampling(out: SchedulerOutput) -> None:
+        """A chunk that reaches its sequence's last token yields one logits row (batch.py). An
+        unforked n > 1 request samples all its choices from that row: the prompt is shared."""
+        rows: list[int] = []
+        for seq, num_new in out.scheduled:
+            if seq.num_computed_tokens + num_new < seq.num_tokens:
+                continue
+            row = len(out.sampling) - len(out.forks)
+            out.sampling.append(seq)
+            rows.append(row)
+            req = seq.request
+            if not req.forked:
+                for index in range(1, req.params.n):
+                    child = seq.fork(index)
+                    out.forks.append(child)
+                    out.sampling.append(child)
+                    rows.append(row)
+        out.logit_rows = rows if out.forks else None
+
+    # -- after the step --------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, tokens: list[int], logprobs: list) -> StepOutcome:
+        """The model ran ``out`` and the sampler drew ``tokens`` for ``out.sampling``: advance
+        KV progress, register new choices, append tokens, stop and finish."""
+        outcome = StepOutcome(sampled=out.sampling)
+        for seq, num_new in out.scheduled:
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+            seq.num_computed_tokens = end
+            outcome.computed_tokens += num_new
+            outcome.recomputed_tokens += max(0, min(seq.high_water, end) - start)
+            seq.high_water = max(seq.high_water, end)
+            self.kv.commit(seq.seq_id, seq.token_ids, end)
+        for child in out.forks:            # after the commit: the fork copies the chain state
+            req = child.request
+            parent = req.seqs[0]
+            self.kv.fork(parent.seq_id, child.seq_id)
+            child.num_computed_tokens = child.high_water = parent.num_computed_tokens
+            self.add_running(child)
+            req.seqs.append(child)
+            req.forked = True
+        now = time.monotonic()
+        for seq, token, lp in zip(out.sampling, tokens, logprobs):
+            req = seq.request
+            if req.first_token_time is None:
+                req.first_token_time = now
+            seq.token_ids.append(token)
+            if lp is not None:
+                seq.logprobs.append(lp)
+            self.stop_checker.check(seq, token)
+            if seq.finish_reason is not None:
+                self.finish(seq)
+                outcome.finished.append(seq)
+                if req.finished:
+                    self._close(req)
+        return outcome

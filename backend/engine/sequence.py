@@ -23,6 +23,7 @@ import itertools
 
 import torch
 
+from backend.errors import EngineError
 from backend.outputs import TokenLogprob
 from backend.sampling_params import SamplingParams
 
@@ -92,7 +93,7 @@ class Sequence:
         self.num_sent = 0
         self.num_ready = 0
         self.finish_reason: str | None = None
-        self.error: str | None = None
+        self.error: EngineError | None = None    # why the engine ended it (abort / error only)
         self.stop_at = -1          # char offset of a matched stop string in the ready..end text
         self.cut_last_token = False  # finished on a stop token whose text must not be shown
 

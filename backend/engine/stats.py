@@ -1,9 +1,19 @@
-"""EngineStats: one snapshot of the engine's gauges and counters (for metrics and tests)."""
+"""Engine statistics: the counters the engine thread records, and the snapshot it publishes.
+
+:class:`StatsRecorder` is fed by LLMEngine (once per step, per abort, expiry and rejection);
+:class:`EngineStats` is an immutable-by-convention snapshot for metrics and tests, safe to hand
+to other threads (EngineLoop publishes one after every step).
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from backend.kv_cache.manager import KVCacheStats
+
+if TYPE_CHECKING:
+    from backend.engine.scheduler import Scheduler, SchedulerOutput, StepOutcome
+    from backend.engine.sequence import Sequence
 
 
 @dataclass
@@ -24,9 +34,42 @@ class EngineStats:
     num_preemptions: int = 0
     num_aborted: int = 0              # abort_request calls that found an open request
     num_deadline_exceeded: int = 0
-    num_rejected: int = 0             # QueueFullError at admission
+    num_rejected: int = 0             # queue_full at admission
     finished: dict[str, int] = field(default_factory=dict)   # choices by finish reason
 
     @property
     def useful_tokens(self) -> int:
         return self.computed_tokens - self.recomputed_tokens
+
+
+class StatsRecorder:
+    """The engine's monotonic counters (engine thread only)."""
+
+    def __init__(self) -> None:
+        self.counters = EngineStats()
+
+    def record_schedule(self, out: "SchedulerOutput") -> None:
+        c = self.counters
+        c.num_steps += 1
+        for req in out.new_requests:
+            c.prompt_tokens += len(req.prompt_token_ids)
+            c.cached_prompt_tokens += req.num_cached_tokens
+
+    def record_step(self, outcome: "StepOutcome") -> None:
+        c = self.counters
+        c.computed_tokens += outcome.computed_tokens
+        c.recomputed_tokens += outcome.recomputed_tokens
+        c.generation_tokens += len(outcome.sampled)
+        self.record_finished(outcome.finished)
+
+    def record_finished(self, seqs: list["Sequence"]) -> None:
+        finished = self.counters.finished
+        for seq in seqs:
+            reason = seq.finish_reason or "abort"
+            finished[reason] = finished.get(reason, 0) + 1
+
+    def snapshot(self, scheduler: "Scheduler", kv) -> EngineStats:
+        kv_stats = kv.stats()
+        return replace(self.counters, num_running=len(scheduler.running), num_waiting=scheduler.num_waiting,
+                       num_requests=len(scheduler.requests), kv_usage=kv_stats.usage, kv=kv_stats,
+                       num_preemptions=scheduler.num_preemptions, finished=dict(self.counters.finished))

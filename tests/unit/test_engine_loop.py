@@ -9,8 +9,9 @@ import pytest
 
 from backend import SamplingParams
 from backend.config import EngineArgs
-from backend.engine import LLMEngine, QueueFullError
+from backend.engine import LLMEngine
 from backend.engine.engine_loop import EngineLoop
+from backend.errors import EngineError, ErrorKind
 from tests.conftest import model_dir
 
 P = list(range(100, 130))
@@ -71,17 +72,20 @@ def test_submit_rejects_synchronously():
     loop = make_loop(max_waiting=2, max_model_len=64)
     gate = threading.Event()
     try:
-        with pytest.raises(ValueError, match="max_model_len"):
+        with pytest.raises(EngineError, match="max_model_len") as info:
             loop.submit("x", list(range(100)), SamplingParams(), sink=queue.Queue())
+        assert (info.value.kind, info.value.param) == (ErrorKind.INVALID_REQUEST, "input_ids")
         # a sink that blocks holds the engine thread, so later submits pile up in the intake
         loop.submit("blocker", P, SamplingParams(max_tokens=2), sink=lambda d: gate.wait(30))
         time.sleep(0.2)
         loop.submit("a", P, SamplingParams(), sink=queue.Queue())
         loop.submit("b", P, SamplingParams(), sink=queue.Queue())
-        with pytest.raises(QueueFullError):
+        with pytest.raises(EngineError) as info:
             loop.submit("c", P, SamplingParams(), sink=queue.Queue())
-        with pytest.raises(ValueError, match="already in use"):
+        assert info.value.kind is ErrorKind.QUEUE_FULL and info.value.retry_after >= 1
+        with pytest.raises(EngineError, match="already in use") as info:
             loop.submit("a", P, SamplingParams(), sink=queue.Queue())
+        assert (info.value.kind, info.value.param) == (ErrorKind.INVALID_REQUEST, "request_id")
     finally:
         gate.set()
         loop.shutdown(drain=True, timeout=30)
@@ -106,12 +110,14 @@ def test_a_crashing_step_fails_every_open_request_and_marks_unhealthy():
     finals_a = [d for d in collect(qa, n_final=2) if d.finished]
     finals_b = [d for d in collect(qb) if d.finished]
     for d in finals_a + finals_b:
-        assert d.finish_reason == "error" and "device fell off the bus" in d.error
+        assert d.finish_reason == "error" and d.error.kind is ErrorKind.INTERNAL
+        assert "device fell off the bus" in str(d.error)
     assert sorted(d.index for d in finals_a) == [0, 1]
     loop._thread.join(10)
     assert not loop.healthy
-    with pytest.raises(RuntimeError, match=r"^\[unavailable\]"):
+    with pytest.raises(EngineError, match="not healthy") as info:
         loop.submit("c", P, SamplingParams(), sink=queue.Queue())
+    assert info.value.kind is ErrorKind.UNAVAILABLE
     assert loop.abort("a").result(timeout=5) is None
     loop.shutdown(drain=False, timeout=5)
 
@@ -123,5 +129,6 @@ def test_shutdown_drains_open_requests():
     loop.shutdown(drain=True, timeout=30)
     d = q.get_nowait()
     assert d.finished and d.finish_reason == "length" and len(d.new_token_ids) == 20
-    with pytest.raises(RuntimeError, match="shutting down"):
+    with pytest.raises(EngineError, match="shutting down") as info:
         loop.submit("b", P, SamplingParams(), sink=q)
+    assert info.value.kind is ErrorKind.UNAVAILABLE

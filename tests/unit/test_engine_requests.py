@@ -7,7 +7,8 @@ import pytest
 
 from backend import SamplingParams
 from backend.config import EngineArgs
-from backend.engine import LLMEngine, QueueFullError
+from backend.engine import LLMEngine
+from backend.errors import EngineError, ErrorKind
 from tests.conftest import model_dir
 
 P = list(range(100, 140))
@@ -25,24 +26,31 @@ def drain(eng):
     return out
 
 
-def test_invalid_requests_raise_clear_value_errors():
+def assert_invalid(eng, prompt, params, *, param: str, match: str, request_id: str = "a") -> None:
+    """Rejected as invalid_request naming ``param`` (set where it was raised, not parsed)."""
+    with pytest.raises(EngineError, match=match) as info:
+        eng.add_request(request_id, prompt, params)
+    assert (info.value.kind, info.value.param) == (ErrorKind.INVALID_REQUEST, param)
+
+
+def test_invalid_requests_raise_invalid_request_errors_naming_the_field():
     eng = engine(max_model_len=64, num_kv_blocks=64)
-    with pytest.raises(ValueError, match=r"prompt has 80 tokens.*max_model_len is 64"):
-        eng.add_request("a", list(range(80)), SamplingParams())
-    with pytest.raises(ValueError, match=r"prompt has 40 tokens and max_tokens is 30.*70.*64"):
-        eng.add_request("a", P, SamplingParams(max_tokens=30))
-    with pytest.raises(ValueError, match="empty"):
-        eng.add_request("a", [], SamplingParams())
-    with pytest.raises(ValueError, match=r"token ids must be integers in \[0, 3130\)"):
-        eng.add_request("a", [1, 99999], SamplingParams())
-    with pytest.raises(ValueError, match="min_tokens"):
-        eng.add_request("a", P, SamplingParams(max_tokens=4, min_tokens=5))
-    with pytest.raises(ValueError, match="max_num_seqs"):
-        engine(max_num_seqs=2).add_request("a", P, SamplingParams(n=3))
+    assert_invalid(eng, list(range(80)), SamplingParams(), param="input_ids",
+                   match=r"prompt has 80 tokens.*max_model_len is 64")
+    assert_invalid(eng, P, SamplingParams(max_tokens=30), param="max_tokens",
+                   match=r"prompt has 40 tokens and max_tokens is 30.*70.*64")
+    assert_invalid(eng, [], SamplingParams(), param="input_ids", match="empty")
+    assert_invalid(eng, [1, 99999], SamplingParams(), param="input_ids",
+                   match=r"token ids must be integers in \[0, 3130\)")
+    assert_invalid(eng, P, SamplingParams(max_tokens=4, min_tokens=5), param="min_tokens", match="min_tokens")
+    assert_invalid(engine(max_num_seqs=2), P, SamplingParams(n=3), param="n", match="max_num_seqs")
+    assert_invalid(eng, P, SamplingParams(), param="request_id", match="non-empty", request_id="")
+    changed = SamplingParams()
+    changed.top_p = 0.0                                     # changed after construction
+    assert_invalid(eng, P, changed, param="top_p", match="top_p")
     eng.add_request("a", P, SamplingParams(max_tokens=None))            # the rest of the context
-    assert eng._requests["a"].max_tokens == 24
-    with pytest.raises(ValueError, match="already in use"):
-        eng.add_request("a", P, SamplingParams())
+    assert eng.scheduler.requests["a"].max_tokens == 24
+    assert_invalid(eng, P, SamplingParams(), param="request_id", match="already in use")
     # the context limit is also what the KV pool can hold for one sequence
     assert engine(num_kv_blocks=4, block_size=16).max_model_len == 64
 
@@ -51,11 +59,11 @@ def test_queue_full_raises_with_retry_after():
     eng = engine(max_waiting=2)
     eng.add_request("a", P, SamplingParams())
     eng.add_request("b", P, SamplingParams())
-    with pytest.raises(QueueFullError) as info:
+    with pytest.raises(EngineError) as info:
         eng.add_request("c", P, SamplingParams())
     err = info.value
-    assert isinstance(err, RuntimeError) and err.retry_after > 0
-    assert str(err).startswith("[queue_full retry_after=")
+    assert err.kind is ErrorKind.QUEUE_FULL and err.retry_after == 1.0
+    assert str(err) == "2 requests are waiting (max_waiting=2)"      # the tag is serving's job
     assert eng.stats().num_rejected == 1
     eng.step()                                    # both admitted: room again
     eng.add_request("c", P, SamplingParams())
@@ -87,15 +95,15 @@ def test_deadlines_expire_waiting_and_running_requests():
     eng.add_request("running", P, SamplingParams(max_tokens=50, ignore_eos=True), deadline=now + 60)
     eng.add_request("waiting", P, SamplingParams(), deadline=now - 1)
     first = eng.step()
-    assert [(d.request_id, d.finish_reason, d.error) for d in first if d.finished] == [
-        ("waiting", "abort", "deadline exceeded")]
+    assert [(d.request_id, d.finish_reason, d.error and d.error.kind) for d in first if d.finished] == [
+        ("waiting", "abort", ErrorKind.DEADLINE)]
     eng.step()
-    eng._requests["running"].deadline = time.monotonic()        # passes while it runs
+    eng.scheduler.requests["running"].deadline = time.monotonic()        # passes while it runs
     finals = []
     while eng.has_unfinished():
         finals += [d for d in eng.step() if d.finished]
-    assert [(d.request_id, d.finish_reason, d.error) for d in finals] == [
-        ("running", "abort", "deadline exceeded")]
+    assert [(d.request_id, d.finish_reason, d.error and d.error.kind) for d in finals] == [
+        ("running", "abort", ErrorKind.DEADLINE)]
     assert finals[0].completion_tokens == 2
     assert eng.stats().num_deadline_exceeded == 2 and eng.stats().kv.num_used_blocks == 0
 

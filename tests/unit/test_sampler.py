@@ -80,13 +80,43 @@ def test_penalties_follow_openai_and_vllm_semantics():
     assert out[0].tolist() == [2.0, -2.0, 1.0, -0.25, -0.25, 0.0, 0.0, 0.0]
 
 
-def test_min_tokens_masks_eos_and_stop_token_ids_until_reached():
+@pytest.mark.parametrize("logprobs", [None, 0], ids=["greedy-fast-path", "full-pipeline"])
+def test_min_tokens_masks_eos_and_stop_token_ids_until_reached(logprobs):
     row = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 5.0, 9.0]     # EOS (7) best, stop id 6 second
-    toks, _ = sampler()(logits(row, row, row), [
-        seq(output=(1,), min_tokens=2, stop_token_ids=[6], temperature=0),
-        seq(output=(1, 2), min_tokens=2, temperature=0),
-        seq(output=(1,), min_tokens=2, ignore_eos=True, temperature=0)])
-    assert toks == [0, 7, 7]
+    toks, _ = sampler()(logits(row, row, row, row), [
+        seq(output=(1,), min_tokens=2, stop_token_ids=[6], temperature=0, logprobs=logprobs),
+        seq(output=(1, 2), min_tokens=2, temperature=0, logprobs=logprobs),
+        # ignore_eos does not lift the mask (transformers' min_new_tokens): EOS cannot be drawn
+        seq(output=(1,), min_tokens=2, ignore_eos=True, temperature=0, logprobs=logprobs),
+        seq(output=(1,), min_tokens=2, ignore_eos=True, stop_token_ids=[6], temperature=0, logprobs=logprobs)])
+    assert toks == [0, 7, 6, 0]
+
+
+def test_min_tokens_mask_also_holds_for_sampled_rows():
+    row = [0.0] * 6 + [8.0, 9.0]
+    s = sampler()
+    for _ in range(20):
+        toks, _ = s(logits(row, row), [seq(output=(), min_tokens=1, ignore_eos=True, stop_token_ids=[6]),
+                                       seq(output=(1,), min_tokens=1, ignore_eos=True)])
+        assert toks[0] not in (6, 7) and toks[1] in (6, 7)
+
+
+def test_greedy_fast_path_equals_the_full_pipeline():
+    torch.manual_seed(3)
+    batch = torch.randn(16, V)
+    batch[::3, EOS] = 10.0                                   # EOS wins on every third row
+    plain = [seq(output=(1,) * (i % 4), min_tokens=2, temperature=0) for i in range(16)]
+    full = [seq(output=(1,) * (i % 4), min_tokens=2, temperature=0, logprobs=0) for i in range(16)]
+    fast_toks, fast_lps = sampler()(batch, plain)
+    full_toks, _ = sampler()(batch, full)
+    assert fast_toks == full_toks and fast_lps == [None] * 16
+    assert EOS in fast_toks and any(t != EOS for t in fast_toks[::3])   # both mask branches ran
+
+
+def test_rows_map_sequences_to_shared_logits_rows():
+    toks, _ = sampler()(logits([0, 9, 0, 0, 0, 0, 0, 0], [0, 0, 9, 0, 0, 0, 0, 0]),
+                        [seq(temperature=0)] * 3, rows=[1, 1, 0])
+    assert toks == [2, 2, 1]
 
 
 def test_seeded_rows_do_not_depend_on_the_rest_of_the_batch():
