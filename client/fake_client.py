@@ -15,7 +15,7 @@ import asyncio
 import math
 from typing import AsyncIterator
 
-from client.errors import TritonLLMError
+from client.errors import TritonLLMError, UnavailableError
 from client.triton_client import Chunk
 
 REPLY = "Hello world! 你好，世界 🙂 The quick brown fox jumps over the lazy dog. " * 4
@@ -23,8 +23,9 @@ REPLY = "Hello world! 你好，世界 🙂 The quick brown fox jumps over the la
 
 class FakeLLMClient:
     def __init__(self, *, reply: str = REPLY, piece: int = 3, delay: float = 0.0,
-                 ready: bool = True) -> None:
+                 ready: bool = True, window: int = 1024) -> None:
         self.reply, self.piece, self.delay, self.ready = reply, piece, delay, ready
+        self.window = window                    # context_window(); None: the server cannot say
         self.fail_before: TritonLLMError | None = None     # raised instead of the first chunk
         self.fail_after: tuple[int, TritonLLMError] | None = None   # (tokens sent, error)
         self.end_early: int | None = None       # end the stream after k tokens with no finish reason
@@ -38,6 +39,11 @@ class FakeLLMClient:
 
     async def close(self) -> None:
         self.closed = True
+
+    async def context_window(self) -> int:
+        if self.window is None:
+            raise UnavailableError("the fake server has no context window")
+        return self.window
 
     async def wait_aborts(self) -> None:
         return None

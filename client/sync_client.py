@@ -38,6 +38,9 @@ class SyncTritonLLMClient:
     def is_ready(self) -> bool:
         return self._call(self.client.is_ready())
 
+    def context_window(self) -> int:
+        return self._call(self.client.context_window())
+
     def abort(self, request_id: str) -> bool:
         return self._call(self.client.abort(request_id))
 

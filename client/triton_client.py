@@ -26,18 +26,15 @@ from typing import Any, AsyncIterator
 
 import numpy as np
 
+from backend import protocol as P
 from client.errors import (AbortedError, InternalError, InvalidRequestError, QueueFullError,
                            TritonLLMError, UnavailableError, error_from_grpc, error_from_message)
 
 log = logging.getLogger("triton_llm.client")
 
-ENSEMBLE = "llm"
-ENGINE = "engine"
+ENSEMBLE = P.ENSEMBLE
+ENGINE = P.ENGINE
 ABORT_TIMEOUT = 10.0
-# Triton's gRPC front end consumes these itself (they never reach a model as parameters) and
-# tritonclient refuses them. The engine reads a request's priority and deadline under other names.
-RENAMED_PARAMS = {"priority": "request_priority", "timeout": "request_timeout"}
-RESERVED_PARAMS = ("sequence_id", "sequence_start", "sequence_end", "headers", "binary_data_output")
 
 __all__ = ["Chunk", "TritonLLMClient", "TritonLLMError", "InvalidRequestError", "QueueFullError",
            "UnavailableError", "InternalError", "AbortedError", "to_parameters"]
@@ -66,8 +63,8 @@ def to_parameters(params: dict | None) -> dict:
     for key, value in (params or {}).items():
         if value is None:
             continue
-        key = RENAMED_PARAMS.get(key, key)
-        if key in RESERVED_PARAMS or key.startswith("triton_"):
+        key = P.RENAMED_PARAMS.get(key, key)
+        if key in P.RESERVED_PARAMS or key.startswith("triton_"):
             raise ValueError(f"request parameter {key!r} is reserved by Triton's gRPC front end and "
                              "would never reach the model")
         if isinstance(value, (list, tuple, dict)):
@@ -106,21 +103,29 @@ def _json(result, name: str):
 
 def parse_response(result) -> Chunk:
     """A tritonclient InferResult of the ensemble or the engine -> Chunk."""
-    finish = _scalar(result, "finish_reason", "") or None
+    finish = _scalar(result, P.FINISH_REASON, "") or None
     return Chunk(
-        index=int(_scalar(result, "index", 0) or 0),
-        text=_scalar(result, "text_output", "") or "",
-        token_ids=_ids(result, "output_ids") or [],
+        index=int(_scalar(result, P.INDEX, 0) or 0),
+        text=_scalar(result, P.TEXT_OUTPUT, "") or "",
+        token_ids=_ids(result, P.OUTPUT_IDS) or [],
         finish_reason=finish,
-        prompt_tokens=int(_scalar(result, "prompt_tokens", 0) or 0),
-        completion_tokens=int(_scalar(result, "completion_tokens", 0) or 0),
-        cached_tokens=int(_scalar(result, "cached_tokens", 0) or 0),
-        logprobs=_json(result, "logprobs"),
-        metrics=_json(result, "metrics"),
-        window_ids=_ids(result, "window_ids"),
-        num_sent=_scalar(result, "num_sent"),
-        max_chars=_scalar(result, "max_chars"),
+        prompt_tokens=int(_scalar(result, P.PROMPT_TOKENS, 0) or 0),
+        completion_tokens=int(_scalar(result, P.COMPLETION_TOKENS, 0) or 0),
+        cached_tokens=int(_scalar(result, P.CACHED_TOKENS, 0) or 0),
+        logprobs=_json(result, P.LOGPROBS),
+        metrics=_json(result, P.METRICS),
+        window_ids=_ids(result, P.WINDOW_IDS),
+        num_sent=_scalar(result, P.NUM_SENT),
+        max_chars=_scalar(result, P.MAX_CHARS),
     )
+
+
+def _input(spec: P.TensorSpec, array: np.ndarray):
+    from tritonclient.grpc import InferInput
+
+    inp = InferInput(spec.name, list(array.shape), spec.client_dtype)
+    inp.set_data_from_numpy(array)
+    return inp
 
 
 class TritonLLMClient:
@@ -128,10 +133,11 @@ class TritonLLMClient:
     that uses it; the channel itself is opened on first use)."""
 
     def __init__(self, url: str = "127.0.0.1:8001", *, ensemble: str = ENSEMBLE,
-                 engine: str = ENGINE, verbose: bool = False) -> None:
+                 engine: str = ENGINE, preprocessing: str = P.PREPROCESSING, verbose: bool = False) -> None:
         self.url = url
         self.ensemble = ensemble
         self.engine = engine
+        self.preprocessing = preprocessing
         self._verbose = verbose
         self._grpc = None
         self._aborts: set[asyncio.Task] = set()
@@ -165,34 +171,40 @@ class TritonLLMClient:
         except Exception:                       # noqa: BLE001 -- any failure means not ready
             return False
 
+    async def context_window(self, timeout: float = 5.0) -> int:
+        """The longest prompt + completion the server accepts: the engine's context_window()
+        (backend/context.py), which the generated repository hands preprocessing as a parameter.
+        Raises UnavailableError when the server cannot say."""
+        try:
+            cfg = await self._client().get_model_config(self.preprocessing, as_json=True,
+                                                        client_timeout=timeout)
+            value = cfg["config"]["parameters"][P.CONTEXT_WINDOW]["string_value"]
+            return int(value)
+        except Exception as exc:                 # noqa: BLE001 -- any failure: the server cannot say
+            raise UnavailableError(f"the server did not report its context window: {exc}") from None
+
     # -- generation -----------------------------------------------------------------------------
     def generate(self, prompt: str | None = None, messages: list[dict] | None = None, *,
                  request_id: str | None = None, params: dict | None = None,
                  stream: bool = True) -> AsyncIterator[Chunk]:
         """Text generation through the ensemble: exactly one of ``prompt`` / ``messages``."""
-        from tritonclient.grpc import InferInput
-
         if (prompt is None) == (messages is None):
             raise ValueError("give exactly one of prompt and messages")
-        name, value = ("text_input", prompt) if prompt is not None else ("messages", json.dumps(messages))
-        inp = InferInput(name, [1], "BYTES")
-        inp.set_data_from_numpy(np.array([value.encode("utf-8")], dtype=object))
+        name, value = (P.TEXT_INPUT, prompt) if prompt is not None else (P.MESSAGES, json.dumps(messages))
+        inp = _input(P.MODELS[P.ENSEMBLE].input(name), np.array([value.encode("utf-8")], dtype=object))
         return self._stream(self.ensemble, [inp], request_id, params, stream)
 
     def generate_ids(self, input_ids: list[int], *, request_id: str | None = None,
                      params: dict | None = None, stream: bool = True) -> AsyncIterator[Chunk]:
         """Token ids in, token ids out: the ``engine`` model called directly."""
-        from tritonclient.grpc import InferInput
-
-        inp = InferInput("input_ids", [len(input_ids)], "INT32")
-        inp.set_data_from_numpy(np.asarray(input_ids, dtype=np.int32))
+        inp = _input(P.MODELS[P.ENGINE].input(P.INPUT_IDS), np.asarray(input_ids, dtype=np.int32))
         return self._stream(self.engine, [inp], request_id, params, stream)
 
     async def _stream(self, model: str, inputs: list, request_id: str | None, params: dict | None,
                       stream: bool) -> AsyncIterator[Chunk]:
         rid = request_id or uuid.uuid4().hex
-        parameters = to_parameters({**(params or {}), "stream": bool(stream)})
-        n = max(1, int(parameters.get("n", 1)))   # a bad n is the server's to reject
+        parameters = to_parameters({**(params or {}), P.STREAM: bool(stream)})
+        n = max(1, int(parameters.get(P.N, 1)))   # a bad n is the server's to reject
         closed = asyncio.Event()               # half-closes our side of the stream when set
 
         async def requests():
@@ -246,7 +258,7 @@ class TritonLLMClient:
         """Tell the engine to stop ``request_id`` and free its KV blocks; True once acknowledged."""
         async def requests():
             yield {"model_name": self.engine, "inputs": [], "request_id": f"abort-{request_id}",
-                   "parameters": {"abort_request_id": request_id}}
+                   "parameters": {P.ABORT_REQUEST_ID: request_id}}
             # returning half-closes the stream; Triton ends it once the control request is FINAL
 
         call = None

@@ -7,21 +7,26 @@
 
 The page streams replies from the shim's own ``POST /v1/chat/completions``. What it needs from
 the app: ``app.state.authenticate(request) -> tenant`` and, for the summarize policy,
-``app.state.complete(messages, *, max_tokens, tenant) -> str``. Settings read (all optional):
-``chat_db_path``, ``max_model_len``, ``model_name``, ``model_dir``, ``chat_keep_turns``.
+``app.state.complete(messages, *, max_tokens, tenant) -> str``, and the context window from
+``client.shim.settings.context_window_of(app)`` (``max_model_len`` if set, else the server's own).
+Settings read (all optional): ``chat_db_path``, ``max_model_len``, ``model_name``, ``model_dir``,
+``chat_keep_turns``.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import pathlib
-import threading
 
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
-from client.chat.context import ContextBuilder, TokenCounter, model_max_len
+from client.chat.context import ContextBuilder, TokenCounter
 from client.chat.router import build_router, install_error_handlers
 from client.chat.store import ChatStore
+from client.errors import TritonLLMError
+from client.shim.errors import from_llm_error
+from client.shim.settings import context_window_of
 
 STATIC = pathlib.Path(__file__).resolve().parent / "static"
 log = logging.getLogger(__name__)
@@ -38,27 +43,33 @@ def mount_chat(app, settings=None) -> ChatStore:
         pathlib.Path(db_path).parent.mkdir(parents=True, exist_ok=True)
     store = ChatStore(str(db_path))
     model_dir = getattr(settings, "model_dir", None)
-    max_model_len = model_max_len(settings, model_dir)
 
     async def complete(messages, *, max_tokens, tenant):
         # Looked up per call: the shim may set app.state.complete after mounting the chat.
         return await app.state.complete(messages, max_tokens=max_tokens, tenant=tenant)
 
-    lock, built = threading.Lock(), []
+    async def window() -> int:
+        """The engine's context window (asked once; a 503 while the server cannot say)."""
+        try:
+            return await context_window_of(app, settings).get()
+        except TritonLLMError as exc:
+            raise from_llm_error(exc) from None
 
-    def builder() -> ContextBuilder:
-        with lock:          # the tokenizer is loaded on first use, once
+    lock, built = asyncio.Lock(), []
+
+    async def builder() -> ContextBuilder:
+        async with lock:    # the tokenizer is loaded on first use, once
             if not built:
-                counter = TokenCounter(str(model_dir) if model_dir else None)
+                max_model_len = await window()
+                counter = await asyncio.to_thread(TokenCounter, str(model_dir) if model_dir else None)
                 built.append(ContextBuilder(store, counter, max_model_len, complete))
         return built[0]
 
-    config = {"model": getattr(settings, "model_name", None), "max_model_len": max_model_len,
-              "default_policy": "truncate",
+    config = {"model": getattr(settings, "model_name", None), "default_policy": "truncate",
               "default_keep_turns": int(getattr(settings, "chat_keep_turns", None) or 8)}
     app.state.chat_store = store
     install_error_handlers(app)
-    app.include_router(build_router(store, builder, config))
+    app.include_router(build_router(store, builder, config, window))
     app.mount("/static/chat", StaticFiles(directory=STATIC), name="chat-static")
 
     @app.get("/", include_in_schema=False)

@@ -238,17 +238,3 @@ class ContextBuilder:
             text = self.counter.tail(text, max(16, room - overhead - 8))
         return [{"role": "system", "content": SUMMARIZE_INSTRUCTIONS},
                 {"role": "user", "content": text}]
-
-
-def model_max_len(settings, model_dir: str | None) -> int:
-    """settings.max_model_len, else the checkpoint's max_position_embeddings, else 4096."""
-    value = getattr(settings, "max_model_len", None)
-    if value:
-        return int(value)
-    if model_dir:
-        try:
-            cfg = json.loads((pathlib.Path(model_dir) / "config.json").read_text())
-            return int(cfg["max_position_embeddings"])
-        except (OSError, KeyError, ValueError):
-            pass
-    return 4096

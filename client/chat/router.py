@@ -7,7 +7,7 @@ error shape ``{"error": {"message", "type", "param", "code"}}``. See docs/chat.m
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
@@ -77,8 +77,10 @@ async def tenant_of(request: Request) -> str:
     return tenant
 
 
-def build_router(store: ChatStore, builder: Callable[[], ContextBuilder], config: dict) -> APIRouter:
-    """``builder()`` returns the ContextBuilder (made lazily: it loads the tokenizer)."""
+def build_router(store: ChatStore, builder: Callable[[], Awaitable[ContextBuilder]], config: dict,
+                 window: Callable[[], Awaitable[int]]) -> APIRouter:
+    """``await builder()`` returns the ContextBuilder (made lazily: it loads the tokenizer);
+    ``await window()`` the context window the page reports as ``max_model_len``."""
     api = APIRouter(prefix="/api")
 
     def tree(tenant: str, conv_id: str) -> dict:
@@ -91,7 +93,7 @@ def build_router(store: ChatStore, builder: Callable[[], ContextBuilder], config
 
     async def context_json(tenant: str, conv_id: str, leaf_id: str) -> dict:
         conv = store.get_conversation(tenant, conv_id)
-        result = await builder().build(tenant, conv, leaf_id)
+        result = await (await builder()).build(tenant, conv, leaf_id)
         return {**result.to_json(), "params": conv.params}
 
     def autotitle(tenant: str, conv_id: str, content: str) -> None:
@@ -103,7 +105,7 @@ def build_router(store: ChatStore, builder: Callable[[], ContextBuilder], config
 
     @api.get("/config")
     async def get_config(tenant: str = Depends(tenant_of)):
-        return {**config, "policies": list(POLICIES)}
+        return {**config, "max_model_len": await window(), "policies": list(POLICIES)}
 
     @api.get("/conversations")
     async def list_conversations(tenant: str = Depends(tenant_of)):

@@ -16,6 +16,7 @@ from client.shim.errors import from_llm_error, model_not_found, not_ready
 from client.shim.format import Tally
 from client.shim.generation import ClientDisconnected, collect, merged, until_disconnect
 from client.shim.schemas import ChatCompletionRequest, CompletionRequest
+from client.shim.settings import context_window_of
 
 log = logging.getLogger("triton_llm.shim")
 router = APIRouter()
@@ -128,22 +129,23 @@ async def _events(first, items, tally: Tally, param_names: dict[str, str]):
 
 @router.get("/v1/models")
 async def list_models(request: Request, _tenant: str = Depends(authenticated)):
-    return {"object": "list", "data": [_model_card(request)]}
+    return {"object": "list", "data": [await _model_card(request)]}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, request: Request, _tenant: str = Depends(authenticated)):
     _check_model(request, model_id)
-    return _model_card(request)
+    return await _model_card(request)
 
 
-def _model_card(request: Request) -> dict:
+async def _model_card(request: Request) -> dict:
     s = _state(request)
     card = {"id": s.settings.served_model, "object": "model", "created": s.created,
             "owned_by": "triton-llm"}
-    window = s.settings.context_window()
-    if window:
-        card["max_model_len"] = window
+    try:
+        card["max_model_len"] = await context_window_of(request.app).get()
+    except TritonLLMError as exc:               # the server is not up yet: the card without it
+        log.info("context window unknown: %s", exc)
     return card
 
 

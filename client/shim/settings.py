@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hashlib
-import json
 import os
 import pathlib
 from dataclasses import dataclass, field
+
+from client.errors import UnavailableError
 
 KEYS_ENV = "TRITON_LLM_API_KEYS"
 
@@ -23,7 +25,7 @@ class ShimSettings:
     allow_shared_prefix: bool = False      # True: tenants share cached prefixes (no salt sent)
     ensemble: str = "llm"
     engine: str = "engine"
-    max_model_len: int | None = None       # default: config.json's max_position_embeddings
+    max_model_len: int | None = None       # default: the server's context window (ContextWindow)
     disconnect_poll_s: float = 0.1         # how often a non-streaming request checks its client
     chat_db_path: str | None = None        # read by the chat page (client/chat): its session store
     chat_keep_turns: int | None = None     # read by the chat page: default turns kept
@@ -36,16 +38,37 @@ class ShimSettings:
             return pathlib.Path(self.model_dir).resolve().name
         return self.ensemble
 
-    def context_window(self) -> int | None:
-        if self.max_model_len:
-            return self.max_model_len
-        if self.model_dir:
-            try:
-                cfg = json.loads((pathlib.Path(self.model_dir) / "config.json").read_text())
-                return int(cfg.get("max_position_embeddings") or 0) or None
-            except (OSError, ValueError):
-                return None
-        return None
+
+
+class ContextWindow:
+    """The served context window, asked for once: ``--max-model-len`` when given, else the number
+    the server validates against (``client.context_window()``: the engine's own, KV pool clamp
+    included, see backend/context.py). Not cached while the server cannot answer."""
+
+    def __init__(self, settings, client) -> None:
+        self.client = client
+        self._value: int | None = getattr(settings, "max_model_len", None) or None
+        self._lock = asyncio.Lock()
+
+    async def get(self) -> int:
+        """Raises client.errors.UnavailableError while the server cannot say."""
+        if self._value is None:
+            async with self._lock:
+                if self._value is None:
+                    if self.client is None:
+                        raise UnavailableError("no server to ask for the context window")
+                    self._value = int(await self.client.context_window())
+        return self._value
+
+
+def context_window_of(app, settings=None) -> ContextWindow:
+    """The app's one ContextWindow, made on first use from ``settings`` (default
+    app.state.settings) and app.state.client."""
+    cw = getattr(app.state, "context_window", None)
+    if cw is None:
+        cw = app.state.context_window = ContextWindow(settings or getattr(app.state, "settings", None),
+                                                      getattr(app.state, "client", None))
+    return cw
 
 
 def default_tenant(key: str) -> str:
@@ -85,11 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=9000)
     p.add_argument("--api-keys", default=None, help=f"file of KEY[:TENANT] lines (also env {KEYS_ENV})")
-    p.add_argument("--model-dir", default=None, help="the served checkpoint (config.json for the context size)")
+    p.add_argument("--model-dir", default=None, help="the served checkpoint (its tokenizer counts the chat page's tokens)")
     p.add_argument("--model-name", default=None, help="model id clients send (default: the directory's name)")
     p.add_argument("--allow-shared-prefix", action="store_true",
                    help="let tenants share cached prefixes (default: each tenant's cache is salted)")
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context window to report (default: ask the server)")
     p.add_argument("--chat-db", default=None, help="chat page session store (SQLite file; default: in memory)")
     p.add_argument("--chat-keep-turns", type=int, default=None, help="chat page: turns kept by default")
     p.add_argument("--log-level", default="info")

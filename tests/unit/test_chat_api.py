@@ -192,3 +192,24 @@ def test_summarize_through_the_api(http, app):
     assert [(m[1], m[2]) for m in app.state.calls] == [(128, "alice")]
     http.get(f"/api/conversations/{conv}/context", headers=A)
     assert len(app.state.calls) == 1
+
+
+def test_context_window_comes_from_the_server(tmp_path):
+    """Without max_model_len the page uses the server's context window (the engine's, KV pool clamp
+    included), not the checkpoint's max_position_embeddings; a 503 while the server cannot say."""
+    from client.fake_client import FakeLLMClient
+    from client.shim.app import create_app
+    from client.shim.settings import ShimSettings
+
+    fake = FakeLLMClient(window=None)
+    settings = ShimSettings(model_dir=None, chat_db_path=str(tmp_path / "c.sqlite3"))
+    with TestClient(create_app(settings, client=fake)) as c:
+        assert c.get("/api/config").status_code == 503
+        fake.window = 200
+        assert c.get("/api/config").json()["max_model_len"] == 200
+        conv = c.post("/api/conversations", json={}).json()["id"]
+        r = c.post(f"/api/conversations/{conv}/messages", json={"role": "user", "content": "hi"})
+        assert r.status_code == 201 and r.json()["context"]["max_model_len"] == 200
+        conv = c.post("/api/conversations", json={}).json()["id"]
+        r = c.post(f"/api/conversations/{conv}/messages", json={"role": "user", "content": "word " * 300})
+        assert r.status_code == 400 and "max_model_len 200" in r.json()["error"]["message"]

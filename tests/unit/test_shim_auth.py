@@ -96,17 +96,23 @@ def test_state_authenticate_and_complete_for_chat_page():
 
 
 def test_command_line_and_model_dir(tmp_path):
+    """The model card's max_model_len is the server's context window (the engine's, KV pool
+    clamp included), not the checkpoint's max_position_embeddings; --max-model-len overrides it."""
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "config.json").write_text('{"max_position_embeddings": 512}')
     args = build_parser().parse_args(["--triton-grpc", "127.0.0.1:9", "--port", "0", "--model-dir",
                                       str(tmp_path / "ckpt"), "--allow-shared-prefix"])
     s = settings_from_args(args)
     assert s.triton_grpc == "127.0.0.1:9" and s.allow_shared_prefix and s.served_model == "ckpt"
-    assert s.context_window() == 512
-    app = create_app(s, client=FakeLLMClient())
-    r = run_app(app, lambda c: c.get("/v1/models"))
+    r = run_app(create_app(s, client=FakeLLMClient(window=384)), lambda c: c.get("/v1/models"))
     assert r.json()["data"][0] == {"id": "ckpt", "object": "model", "created": r.json()["data"][0]["created"],
-                                   "owned_by": "triton-llm", "max_model_len": 512}
+                                   "owned_by": "triton-llm", "max_model_len": 384}
+    r = run_app(create_app(s, client=FakeLLMClient(window=None)), lambda c: c.get("/v1/models/ckpt"))
+    assert r.status_code == 200 and "max_model_len" not in r.json()      # the server cannot say yet
+    s = settings_from_args(build_parser().parse_args(["--model-dir", str(tmp_path / "ckpt"),
+                                                      "--max-model-len", "256"]))
+    r = run_app(create_app(s, client=FakeLLMClient(window=384)), lambda c: c.get("/v1/models/ckpt"))
+    assert r.json()["max_model_len"] == 256
 
 
 def test_chat_cli_streams_keeps_history_and_stops_on_ctrl_c():
