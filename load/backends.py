@@ -113,6 +113,62 @@ class ShimBackend(Backend):
         return await asyncio.to_thread(scrape_counters, self.metrics_url) if self.metrics_url else {}
 
 
+class CompletionsBackend(ShimBackend):
+    """POST /v1/completions with stream=true: the peer comparison's common ground, spoken the same
+    way by our shim and llama.cpp's ``llama-server``. The conversation's messages are joined into
+    one plain prompt (no chat template, which the two servers would render differently)."""
+    name = "completions"
+
+    def __init__(self, base_url: str, *, label: str = "completions", **kw) -> None:
+        super().__init__(base_url, **kw)
+        self.name = label
+
+    async def stream(self, request_id, messages, max_tokens):
+        body = completion_body(self.model, messages, max_tokens)
+        async with self._http.stream("POST", f"{self.base_url}/completions", json=body) as resp:
+            if resp.status_code != 200:
+                raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
+            async for line in resp.aiter_lines():
+                piece = parse_completion_line(line)
+                if piece is None:
+                    continue
+                if piece is DONE:
+                    return
+                yield piece
+
+
+DONE = Piece(finish_reason="[DONE]")
+
+
+def completion_body(model: str, messages: list[dict], max_tokens: int) -> dict:
+    """Greedy, ``ignore_eos``, streamed with a final usage chunk."""
+    prompt = "\n".join(m["content"] for m in messages)
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+            "stream_options": {"include_usage": True}, "temperature": 0, "ignore_eos": True}
+
+
+def parse_completion_line(line: str) -> Piece | None:
+    """One SSE line of /v1/completions: a Piece, ``DONE``, or None (not a data line)."""
+    if not line.startswith("data:"):
+        return None
+    data = line[5:].strip()
+    if data == "[DONE]":
+        return DONE
+    event = json.loads(data)
+    if "error" in event:
+        raise RuntimeError(f"stream error: {event['error']}")
+    piece = Piece()
+    for choice in event.get("choices") or []:
+        piece.text += choice.get("text") or ""
+        piece.finish_reason = choice.get("finish_reason") or piece.finish_reason
+    usage = event.get("usage")
+    if usage:
+        piece.prompt_tokens = usage.get("prompt_tokens")
+        piece.completion_tokens = usage.get("completion_tokens")
+        piece.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    return piece
+
+
 class GrpcBackend(Backend):
     """The ``llm`` ensemble over a gRPC stream (client/triton_client.py: one stream per request,
     explicit abort on an early stop)."""

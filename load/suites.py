@@ -7,6 +7,8 @@ under load/results/, plots written to docs/img/):
     python -m load.suites cancel       a storm of 64 cancelled streams (HTTP disconnects, gRPC aborts):
                                        KV usage over time, back to idle, cancel-to-free times
     python -m load.suites locust       both Locust users, headless, against the full stack
+    python -m load.suites peers        full stack vs llama.cpp's llama-server (load/peers.py), at
+                                       --streams (1 16) and --dtypes (float32); builds llama-server once
 
 Every suite takes --models (default bench-15m bench-110m) and --scale (fraction of the default
 request counts, for quick runs). Contenders of one table run in the same invocation, one after
@@ -285,8 +287,14 @@ async def suite_locust(args) -> tuple[str, dict]:
     return table, out
 
 
+async def suite_peers(args) -> tuple[str, dict]:
+    from load.peers import suite_peers as run
+
+    return await run(args, bench_point, IMG)
+
+
 SUITES = {"overhead": suite_overhead, "prefix": suite_prefix, "concurrency": suite_concurrency,
-          "cancel": suite_cancel, "locust": suite_locust}
+          "cancel": suite_cancel, "locust": suite_locust, "peers": suite_peers}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -298,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--levels", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64], help="concurrency sweep")
     p.add_argument("--users", type=int, default=16, help="locust: concurrent users")
     p.add_argument("--seconds", type=int, default=60, help="locust: run time")
+    p.add_argument("--streams", type=int, nargs="+", default=[16, 1], help="peers: concurrent streams")
+    p.add_argument("--dtypes", nargs="+", default=["float32"], help="peers: float32 and/or bfloat16")
     p.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
     command = "python -m load.suites " + " ".join(sys.argv[1:] if argv is None else argv)

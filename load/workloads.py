@@ -51,6 +51,8 @@ class WorkloadSpec:
     input_len: int = 128
     output_len: int = 128
     range_ratio: float = 0.5        # lengths uniform in [L*(1-r), L*(1+r)]
+    output_dist: str = "uniform"    # mixed: "exponential" = outputs exp. with mean output_len, capped
+    output_cap: int = 256           # mixed, exponential outputs: the cap
     num_groups: int = 4             # shared-prefix
     prefix_len: int = 512           # shared-prefix: shared system prompt
     turns: int = 4                  # multi-turn: turns per conversation
@@ -97,7 +99,10 @@ def mixed(spec: WorkloadSpec) -> list[Job]:
     jobs = []
     for i in range(spec.num_jobs):
         n_in = _uniform(rng, spec.input_len, spec.range_ratio)
-        n_out = _uniform(rng, spec.output_len, spec.range_ratio)
+        if spec.output_dist == "exponential":
+            n_out = min(spec.output_cap, max(1, round(rng.expovariate(1 / spec.output_len))))
+        else:
+            n_out = _uniform(rng, spec.output_len, spec.range_ratio)
         jobs.append(Job(f"mixed-{i}", [Turn(_tag(i) + text_of_tokens(rng, n_in), n_out)], prompt_len=n_in))
     return jobs
 

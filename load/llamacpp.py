@@ -1,0 +1,200 @@
+"""llama.cpp as a peer: build ``llama-server`` once, convert a checkpoint to GGUF, run the server.
+
+Everything is cached under ``build/peers/`` (never part of ``make test``)::
+
+    build/peers/llama_cpp_python-<ver>/vendor/llama.cpp   the source, from the llama-cpp-python sdist
+    build/peers/llama-build/bin/llama-server              Release build of the server target only
+    build/peers/gguf/<model>-<f32|bf16>.gguf              converted checkpoints
+
+Why the sdist: PyPI is the one source registry reachable here, and llama-cpp-python vendors a
+whole llama.cpp tree (server, ggml CPU backend, ``convert_hf_to_gguf.py`` and its ``gguf-py``).
+The build needs cmake and a C++ compiler; :func:`ensure_toolchain` installs them with apt-get when
+they are missing and we are root (otherwise it says what to install).
+
+Conversion: our checkpoints lack ``architectures`` in config.json (transformers does not need it),
+so a staging directory adds it; and the project's byte-level BPE tokenizer is not in the
+converter's pre-tokenizer hash table, so an unrecognized one is written as ``gpt-2`` (the same
+byte-level regex split), while known ones (SmolLM2) keep their own.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+
+from load.stack import ROOT
+
+LLAMA_CPP_PYTHON = "0.3.36"
+PEERS = ROOT / "build" / "peers"
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+OUTTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+
+
+def source_dir(version: str = LLAMA_CPP_PYTHON) -> pathlib.Path:
+    return PEERS / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
+
+
+def server_binary() -> pathlib.Path:
+    return PEERS / "llama-build" / "bin" / "llama-server"
+
+
+def cmake_configure_cmd(src: pathlib.Path, build: pathlib.Path) -> list[str]:
+    # No curl/openssl (no downloads at run time), no web UI (it would fetch a prebuilt one), native
+    # CPU flags (AVX2/AVX-512/AMX as this machine has them), no tests or examples.
+    return ["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
+            "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+            "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DGGML_NATIVE=ON"]
+
+
+def cmake_build_cmd(build: pathlib.Path, jobs: int) -> list[str]:
+    return ["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)]
+
+
+def ensure_toolchain() -> None:
+    missing = [t for t in ("cmake", "c++") if shutil.which(t) is None]
+    if not missing:
+        return
+    if os.geteuid() != 0:
+        raise RuntimeError(f"building llama-server needs {', '.join(missing)}: apt-get install cmake g++")
+    subprocess.run(["apt-get", "update"], check=True)
+    subprocess.run(["apt-get", "install", "-y", "cmake", "g++"], check=True)
+
+
+def ensure_llama_server(version: str = LLAMA_CPP_PYTHON, jobs: int | None = None) -> pathlib.Path:
+    """The cached ``llama-server`` binary, downloading and building it on first use (minutes)."""
+    binary = server_binary()
+    if binary.exists():
+        return binary
+    ensure_toolchain()
+    PEERS.mkdir(parents=True, exist_ok=True)
+    src = source_dir(version)
+    if not (src / "CMakeLists.txt").exists():
+        sdist = PEERS / f"llama_cpp_python-{version}.tar.gz"
+        if not sdist.exists():
+            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                            f"llama-cpp-python=={version}", "-d", str(PEERS)], check=True)
+        with tarfile.open(sdist) as tar:
+            tar.extractall(PEERS, filter="data")
+    build = PEERS / "llama-build"
+    print(f"building llama-server from {src} (several minutes)", file=sys.stderr, flush=True)
+    subprocess.run(cmake_configure_cmd(src, build), check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(cmake_build_cmd(build, jobs or os.cpu_count() or 2), check=True, stdout=subprocess.DEVNULL)
+    return binary
+
+
+# --- GGUF conversion ------------------------------------------------------------------------------
+
+_CONVERT = """
+import runpy, sys
+tree = sys.argv[1]
+sys.path[:0] = [tree, tree + "/gguf-py"]
+import conversion.base as base
+known = base.TextModel.get_vocab_base_pre
+def pre(self, tokenizer):
+    try:
+        return known(self, tokenizer)
+    except NotImplementedError:            # an unlisted byte-level BPE: the gpt-2 split
+        return "gpt-2"
+def no_sentencepiece(self, *a, **k):
+    raise FileNotFoundError("byte-level BPE tokenizer: no sentencepiece model")
+base.TextModel.get_vocab_base_pre = pre
+base.TextModel._set_vocab_sentencepiece = no_sentencepiece
+base.TextModel._set_vocab_llama_hf = no_sentencepiece
+sys.argv = ["convert_hf_to_gguf.py", *sys.argv[2:]]
+runpy.run_path(tree + "/convert_hf_to_gguf.py", run_name="__main__")
+"""
+
+
+def convert_cmd(src: pathlib.Path, stage: pathlib.Path, out: pathlib.Path, dtype: str) -> list[str]:
+    return [sys.executable, "-c", _CONVERT, str(src), str(stage), "--outfile", str(out),
+            "--outtype", OUTTYPES[dtype]]
+
+
+def staged_config(config: dict) -> dict:
+    """config.json as the converter wants it: ``architectures`` and a top-level ``rope_theta``."""
+    out = dict(config)
+    out.setdefault("architectures", [ARCHITECTURES[config["model_type"]]])
+    rope = config.get("rope_parameters") or {}
+    if "rope_theta" not in out and "rope_theta" in rope:
+        out["rope_theta"] = rope["rope_theta"]
+    return out
+
+
+def convert_to_gguf(model_dir: pathlib.Path, dtype: str = "float32") -> pathlib.Path:
+    """``build/peers/gguf/<name>-<type>.gguf``, converted once per checkpoint and dtype."""
+    model_dir = pathlib.Path(model_dir).resolve()
+    out = PEERS / "gguf" / f"{model_dir.name}-{OUTTYPES[dtype]}.gguf"
+    if out.exists() and out.stat().st_mtime >= (model_dir / "config.json").stat().st_mtime:
+        return out
+    stage = PEERS / "gguf" / f".stage-{model_dir.name}"
+    shutil.rmtree(stage, ignore_errors=True)
+    stage.mkdir(parents=True)
+    for f in model_dir.iterdir():
+        if f.name != "config.json":
+            (stage / f.name).symlink_to(f)
+    config = json.loads((model_dir / "config.json").read_text())
+    (stage / "config.json").write_text(json.dumps(staged_config(config)))
+    tmp = out.with_suffix(".tmp")
+    subprocess.run(convert_cmd(source_dir(), stage, tmp, dtype), check=True, stdout=subprocess.DEVNULL)
+    tmp.rename(out)
+    shutil.rmtree(stage, ignore_errors=True)
+    return out
+
+
+# --- the server -----------------------------------------------------------------------------------
+
+def server_cmd(binary: pathlib.Path, gguf: pathlib.Path, port: int, *, parallel: int, threads: int,
+               ctx_per_slot: int) -> list[str]:
+    """``-np`` slots with continuous batching; the context is split evenly between slots."""
+    return [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+            "-np", str(parallel), "-c", str(parallel * ctx_per_slot), "-t", str(threads), "-tb", str(threads),
+            "--cont-batching", "--no-webui"]
+
+
+class LlamaServer:
+    """``with LlamaServer(gguf, parallel=16) as srv: srv.url`` -- started, healthy, stopped on exit."""
+
+    def __init__(self, gguf: pathlib.Path, *, parallel: int = 16, threads: int | None = None,
+                 ctx_per_slot: int = 1024) -> None:
+        from backend.serving.launcher import free_port
+
+        self.port = free_port()
+        self.cmd = server_cmd(ensure_llama_server(), gguf, self.port, parallel=parallel,
+                              threads=threads or os.cpu_count() or 2, ctx_per_slot=ctx_per_slot)
+        self.proc: subprocess.Popen | None = None
+        self.log = PEERS / "llama-server.log"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def __enter__(self) -> "LlamaServer":
+        import httpx
+
+        self.proc = subprocess.Popen(self.cmd, stdout=open(self.log, "wb"), stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited ({self.proc.returncode}); see {self.log}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200:
+                    return self
+            time.sleep(0.5)
+        self.__exit__()
+        raise RuntimeError(f"llama-server not healthy within 120 s; see {self.log}")
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()

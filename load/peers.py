@@ -1,0 +1,92 @@
+"""``python -m load.suites peers``: our full stack against llama.cpp's ``llama-server``, same checkpoint,
+same dtype, same workload, one after the other in one invocation.
+
+Workload (seeded, identical for both): prompts uniform in 16-256 tokens, outputs exponential with
+mean 64 capped at 256, greedy, ``ignore_eos``; /v1/completions streamed (both servers speak it; no
+chat template, which they would render differently). 64 requests at 16 streams, 16 at 1 stream
+(times ``--scale``). llama.cpp runs ``-np`` = the largest stream count, ``-t`` = all cores,
+continuous batching; ours is the launcher's stack through the OpenAI shim with ``load/stack.py``'s
+options for the preset and ``dtype`` set to the run's.
+
+Output tok/s counts requested (= generated, with ignore_eos) tokens over the point's wall time.
+"""
+from __future__ import annotations
+
+import pathlib
+
+from load.backends import CompletionsBackend
+from load.bench import warm_up
+from load.stack import Stack, engine_options, resolve_model
+from load.workloads import WorkloadSpec, make_workload
+
+PEER, OURS = "llama.cpp", "ours"
+
+
+def peer_spec(streams: int, scale: float, seed: int = 0) -> WorkloadSpec:
+    n = max(4, round((64 if streams > 1 else 16) * scale))
+    return WorkloadSpec("mixed", num_jobs=n, seed=seed, input_len=136, range_ratio=120 / 136,
+                        output_len=64, output_dist="exponential", output_cap=256)
+
+
+async def _points(be: CompletionsBackend, model: str, dtype: str, streams: list[int], scale: float,
+                  bench_point) -> dict:
+    await be.start()
+    try:
+        await warm_up(be, 4)
+        out = {}
+        for s in streams:
+            out[s] = await bench_point(be, make_workload(peer_spec(s, scale)), concurrency=s, request_rate=None,
+                                       desc=f"{model} {dtype} {be.name} c={s}")
+        return out
+    finally:
+        await be.close()
+
+
+async def run_peers(args, bench_point) -> dict:
+    """{model: {dtype: {"llama.cpp" | "ours": {streams: bench_point result}}}}"""
+    from load.llamacpp import LlamaServer, convert_to_gguf, ensure_llama_server
+
+    ensure_llama_server()
+    out: dict = {}
+    for model in args.models:
+        model_dir = resolve_model(model)
+        name = pathlib.Path(model).name
+        out[name] = {}
+        for dtype in args.dtypes:
+            res = out[name][dtype] = {}
+            gguf = convert_to_gguf(model_dir, dtype)
+            with LlamaServer(gguf, parallel=max(args.streams)) as srv:
+                res[PEER] = await _points(CompletionsBackend(srv.url, label=PEER), name, dtype, args.streams,
+                                          args.scale, bench_point)
+            opts = {**engine_options(model, args.engine_option), "dtype": dtype}
+            with Stack(model_dir, opts, shim=True) as stack:
+                be = CompletionsBackend(stack.shim_url, label=OURS, metrics_url=stack.metrics_url)
+                res[OURS] = await _points(be, name, dtype, args.streams, args.scale, bench_point)
+    return out
+
+
+def peers_table(out: dict) -> str:
+    rows = []
+    for model, by_dtype in out.items():
+        for dtype, res in by_dtype.items():
+            for s in res[PEER]:
+                p, o = res[PEER][s]["summary"], res[OURS][s]["summary"]
+                ratio = o["output_throughput"] / p["output_throughput"] if p["output_throughput"] else float("nan")
+                rows.append(f"| {model} | {dtype} | {s} | {p['output_throughput']:.0f} | {o['output_throughput']:.0f} "
+                            f"| {ratio:.2f}x | {p['ttft_ms']['p50']:.0f} / {o['ttft_ms']['p50']:.0f} "
+                            f"| {p['itl_ms']['p50']:.1f} / {o['itl_ms']['p50']:.1f} |")
+    return "\n".join(["| model | dtype | streams | llama.cpp tok/s | ours tok/s | ours / llama.cpp "
+                      "| TTFT p50 ms llama.cpp / ours | ITL p50 ms llama.cpp / ours |",
+                      "|---|---|---|---|---|---|---|---|", *rows])
+
+
+async def suite_peers(args, bench_point, img: pathlib.Path) -> tuple[str, dict]:
+    out = await run_peers(args, bench_point)
+    from load.plots import plot_bars
+
+    plot_bars({f"{m} {d} x{s}": {PEER: res[PEER][s]["summary"]["output_throughput"],
+                                  OURS: res[OURS][s]["summary"]["output_throughput"]}
+               for m, by in out.items() for d, res in by.items() for s in res[PEER]},
+              img / "peers.png", ylabel="output tokens/s",
+              title="Full stack vs llama.cpp llama-server, same checkpoint and dtype (x = streams)")
+    return peers_table(out), out
