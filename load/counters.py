@@ -9,11 +9,16 @@ text) and from the in-process engine (``EngineStats``), under one set of names:
 ``useful`` tokens are ``computed - recomputed``; the prefix hit rate is ``hits / queried`` tokens.
 Triton's endpoint has no computed/recomputed token counters (backend/serving/metrics.py), so over
 a server the work is read as prompt, prefix-hit and generated tokens, and preemptions.
+
+The Prometheus text format is parsed in one place, ``samples()`` (prometheus_client's own parser);
+the load harness and the e2e tests read metrics through the functions here.
 """
 from __future__ import annotations
 
-import re
 import urllib.request
+from typing import Iterator
+
+from prometheus_client.parser import text_string_to_metric_families
 
 # our name -> the engine's Prometheus series (backend/serving metrics, summed over labels)
 PROMETHEUS_NAMES = {
@@ -31,36 +36,47 @@ PROMETHEUS_NAMES = {
 }
 GAUGES = ("kv_usage", "num_running", "num_waiting")
 
-_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+Labels = tuple[tuple[str, str], ...]
+
+
+def samples(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
+    """Every sample of a Prometheus text exposition as (series name, labels, value)."""
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            yield s.name, s.labels, float(s.value)
+
+
+def labelled(text: str, *, prefix: str = "", drop: tuple[str, ...] = ()) -> dict[tuple[str, Labels], float]:
+    """{(series name, sorted labels without ``drop``): value} for the series starting with ``prefix``."""
+    out: dict[tuple[str, Labels], float] = {}
+    for name, labels, value in samples(text):
+        if name.startswith(prefix):
+            key = (name, tuple(sorted((k, v) for k, v in labels.items() if k not in drop)))
+            out[key] = out.get(key, 0.0) + value
+    return out
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
-    """Series name -> value summed over its label sets (comments and histograms' le kept apart)."""
+    """Series name -> value summed over its label sets (a histogram's buckets under ``<name>_bucket``)."""
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if not m:
-            continue
-        try:
-            value = float(m.group(3))
-        except ValueError:
-            continue
-        out[m.group(1)] = out.get(m.group(1), 0.0) + value
+    for name, _labels, value in samples(text):
+        out[name] = out.get(name, 0.0) + value
     return out
 
 
 def histogram_buckets(text: str, name: str) -> list[tuple[float, float]]:
     """Cumulative (le, count) of histogram ``name`` summed over its other labels, by le."""
     acc: dict[float, float] = {}
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if not m or m.group(1) != f"{name}_bucket":
-            continue
-        le = re.search(r'le="([^"]+)"', m.group(2) or "")
-        if le:
-            key = float("inf") if le.group(1) == "+Inf" else float(le.group(1))
-            acc[key] = acc.get(key, 0.0) + float(m.group(3))
+    for series, labels, value in samples(text):
+        if series == f"{name}_bucket" and "le" in labels:
+            le = float(labels["le"])                   # "+Inf" -> inf
+            acc[le] = acc.get(le, 0.0) + value
     return sorted(acc.items())
+
+
+def scrape_text(metrics_url: str, timeout: float = 5.0) -> str:
+    with urllib.request.urlopen(metrics_url, timeout=timeout) as r:
+        return r.read().decode("utf-8", "replace")
 
 
 def bucket_quantile(q: float, before: list[tuple[float, float]], after: list[tuple[float, float]]) -> float | None:
@@ -86,8 +102,7 @@ def from_prometheus(series: dict[str, float]) -> dict[str, float]:
 
 
 def scrape_counters(metrics_url: str, timeout: float = 5.0) -> dict[str, float]:
-    with urllib.request.urlopen(metrics_url, timeout=timeout) as r:
-        return from_prometheus(parse_prometheus(r.read().decode("utf-8", "replace")))
+    return from_prometheus(parse_prometheus(scrape_text(metrics_url, timeout)))
 
 
 def engine_counters(stats) -> dict[str, float]:

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import json
 import queue
-import re
 import time
-import urllib.request
 import uuid
 from dataclasses import dataclass, field
 
@@ -17,6 +15,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 
 from backend.detokenizer import decode_delta
+from load.counters import labelled, scrape_text
 
 
 @dataclass
@@ -163,21 +162,9 @@ def abort(server, target: str) -> Result:
 
 
 # -- metrics ----------------------------------------------------------------------------------
-_LINE = re.compile(r'^(\w+)(?:\{([^}]*)\})?\s+(\S+)$')
-
-
 def scrape(server) -> dict[tuple[str, tuple], float]:
     """Prometheus text -> {(name, ((label, value), ...)): value} for our llm_ metrics."""
-    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
-    out = {}
-    for line in text.splitlines():
-        m = _LINE.match(line)
-        if not m or not m.group(1).startswith("llm_"):
-            continue
-        labels = tuple(sorted((k, v) for k, v in re.findall(r'(\w+)="([^"]*)"', m.group(2) or "")
-                              if k not in ("model", "version")))
-        out[(m.group(1), labels)] = float(m.group(3))
-    return out
+    return labelled(scrape_text(server.metrics_url), prefix="llm_", drop=("model", "version"))
 
 
 def metric(snapshot: dict, name: str, **labels) -> float:

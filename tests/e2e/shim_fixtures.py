@@ -8,7 +8,6 @@ and the served id ``tiny``; it is stopped after the module.
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import openai
 import pytest
 
 from client.shim.background import free_port
+from load.counters import parse_prometheus
 
 KEY, OTHER_KEY = "sk-e2e-acme", "sk-e2e-globex"
 MODEL = "tiny"
@@ -90,18 +90,9 @@ def async_sdk(shim):
 
 
 # -- Triton metrics ----------------------------------------------------------------------------
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
-
-
 def metric(metrics_url: str, name: str) -> float:
     """Sum of a metric's samples (all label sets) on Triton's metrics endpoint; 0 if absent."""
-    text = httpx.get(metrics_url, timeout=5).text
-    total = 0.0
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if m and m.group(1) == name:
-            total += float(m.group(3))
-    return total
+    return parse_prometheus(httpx.get(metrics_url, timeout=5).text).get(name, 0.0)
 
 
 def wait_metric(metrics_url: str, name: str, pred, timeout: float = 10.0) -> float:
