@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from backend.config import EngineArgs
+from backend.context import context_window
 from backend.engine.admission import EngineLimits, check_queue, duplicate_id, validate_request
 from backend.engine.batch import build_batch
 from backend.engine.deltas import make_deltas
@@ -50,9 +51,9 @@ class LLMEngine:
         info = runner.info
         self.eos_token_ids = list(info.eos_token_ids)
         # One sequence must always fit the pool alone, so the pool also bounds the context.
-        limit = min(info.max_model_len, args.max_model_len or info.max_model_len)
         self.limits = EngineLimits(vocab_size=info.vocab_size,
-                                   max_model_len=min(limit, runner.num_blocks * args.block_size),
+                                   max_model_len=context_window(info.max_model_len, runner.num_blocks,
+                                                                args.block_size),
                                    max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting)
         self.stop_checker = StopChecker(tokenizer, self.eos_token_ids, self.max_model_len)
         self.scheduler = Scheduler(self.kv, max_num_seqs=args.max_num_seqs, stop_checker=self.stop_checker,
