@@ -1,7 +1,9 @@
-"""Typed errors for clients of the ``llm`` ensemble and the ``engine`` model.
+"""Typed errors for clients of the ``llm`` ensemble and the ``engine`` model: the one tag parser.
 
-Every server-side error message starts with a tag (docs/architecture.md "Errors"); Triton may put
-its own words in front ("in ensemble 'llm', ..."), so the tag is searched, not anchored::
+Every server-side error message starts with a tag (docs/architecture.md "Errors"), formatted in
+one place on the server (``backend/serving/errors.py`` ``to_wire``; a passed deadline goes out as
+``[unavailable]``). Triton may put its own words in front ("in ensemble 'llm', ..."), so the tag
+is searched, not anchored::
 
     [invalid_request param=<name>] <text>   -> InvalidRequestError   (HTTP 400)
     [queue_full retry_after=<s>] <text>     -> QueueFullError        (HTTP 429, Retry-After: s)

@@ -1,8 +1,9 @@
 """Prometheus metrics of the engine model, exported on Triton's metrics port.
 
 Each custom-metric update is a blocking IPC round trip from the Python-backend stub to the server,
-so nothing on the hot path touches a metric: the response thread puts small events on a queue and
-this module's thread applies them, and polls the engine loop's stats snapshot every
+so nothing on the hot path touches a metric: the response thread puts one batch of typed events per
+step on a queue (``record``), and this module's thread applies them (counter events of a batch
+summed into one increment per label), and polls the engine loop's stats snapshot every
 ``poll_interval`` seconds for the gauges and token counters (only changed values are written).
 
 The metric objects come from a ``factory`` (the model.py adapter wraps ``pb_utils.MetricFamily``;
@@ -15,7 +16,12 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections import Counter
+from dataclasses import dataclass
 from typing import Any, Callable
+
+from backend.serving.errors import WIRE_KINDS
+from backend.serving.messages import STOP
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +58,35 @@ STAT_COUNTERS: dict[str, tuple[str, Callable[[Any], float]]] = {
 FINISHED = "llm_requests_finished_total"
 FINISH_REASONS = ("stop", "length", "abort", "error")
 REJECTED = "llm_requests_rejected_total"
-REJECT_KINDS = ("invalid_request", "queue_full", "unavailable", "internal")
+REJECT_KINDS = WIRE_KINDS                   # the wire tags: a deadline is "unavailable"
 
-_STOP = object()
+
+@dataclass(frozen=True, slots=True)
+class Observe:
+    """One histogram observation (seconds)."""
+    name: str
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """A choice finished with ``reason`` (one of FINISH_REASONS)."""
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    """A request was rejected at admission; ``kind`` is its wire kind (one of REJECT_KINDS)."""
+    kind: str
+
+
+MetricEvent = Observe | Finished | Rejected
+
+
+@dataclass(frozen=True, slots=True)
+class Flush:
+    """Apply everything queued before it and poll the stats once, then set ``done``."""
+    done: threading.Event
 
 
 class ServingMetrics:
@@ -79,23 +111,21 @@ class ServingMetrics:
         self._thread.start()
 
     # -- any thread (cheap) ----------------------------------------------------------------
+    def record(self, events: list[MetricEvent]) -> None:
+        """Queue a batch of events (one put, however many events)."""
+        self._q.put(events)
+
     def observe(self, name: str, seconds: float) -> None:
-        self._q.put(("observe", name, seconds))
-
-    def finished(self, reason: str) -> None:
-        self._q.put(("finished", reason))
-
-    def rejected(self, kind: str) -> None:
-        self._q.put(("rejected", kind))
+        self._q.put([Observe(name, seconds)])
 
     def flush(self, timeout: float = 5.0) -> None:
         """Wait until every queued event and a fresh stats poll are applied (tests, shutdown)."""
         done = threading.Event()
-        self._q.put(("flush", done))
+        self._q.put(Flush(done))
         done.wait(timeout)
 
     def stop(self) -> None:
-        self._q.put(_STOP)
+        self._q.put(STOP)
         self._thread.join(5.0)
 
     # -- metrics thread --------------------------------------------------------------------
@@ -106,29 +136,35 @@ class ServingMetrics:
             except queue.Empty:
                 self._safe_poll()
                 continue
-            if item is _STOP:
+            if item is STOP:
                 self._safe_poll()
                 return
             try:
-                self._apply(item)
+                if isinstance(item, Flush):
+                    self._safe_poll()
+                    item.done.set()
+                else:
+                    self._apply(item)
             except Exception:               # noqa: BLE001 - a metric must never take serving down
-                log.exception("metric update %r failed", item[:2])
+                log.exception("metric update %r failed", item)
             if self._q.empty():
                 self._safe_poll()
 
-    def _apply(self, item: tuple) -> None:
-        kind = item[0]
-        if kind == "observe":
-            self._hist[item[1]].observe(max(0.0, float(item[2])))
-        elif kind == "finished":
-            counter = self._finished.get(item[1])
-            if counter is not None:
-                counter.increment(1)
-        elif kind == "rejected":
-            self._rejected.get(item[1], self._rejected["internal"]).increment(1)
-        elif kind == "flush":
-            self._safe_poll()
-            item[1].set()
+    def _apply(self, events: list[MetricEvent]) -> None:
+        finished: Counter = Counter()
+        rejected: Counter = Counter()
+        for e in events:
+            if isinstance(e, Observe):
+                self._hist[e.name].observe(max(0.0, float(e.seconds)))
+            elif isinstance(e, Finished):
+                finished[e.reason] += 1
+            else:
+                rejected[e.kind if e.kind in self._rejected else "internal"] += 1
+        for reason, n in finished.items():  # one increment (one IPC round trip) per label and batch
+            if reason in self._finished:
+                self._finished[reason].increment(n)
+        for kind, n in rejected.items():
+            self._rejected[kind].increment(n)
 
     def _safe_poll(self) -> None:
         try:

@@ -1,294 +1,425 @@
-"""EngineService (the engine model's plain-Python half): FINAL exactly once on every path."""
+"""EngineService (the engine model's plain-Python half): exact responses, FINAL exactly once.
+
+The response thread is not started: each test posts messages (through the service's intake and
+the fake loop's sinks) and runs ``responses.step(0)`` itself, with a fake clock, so what is sent,
+when ``is_cancelled()`` is asked and what is batched are exact and need no sleeps.
+"""
 from __future__ import annotations
 
 import queue
-import threading
-import time
 from concurrent.futures import Future
 
 import pytest
 
+from backend.errors import ErrorKind, deadline_exceeded, internal, invalid_request, queue_full, unavailable
 from backend.outputs import StepDelta
-from backend.serving.engine_service import _STOP, EngineService, Incoming
+from backend.serving.engine_service import EngineService, Incoming
+from backend.serving.errors import to_wire
+from backend.serving.latency import E2E, ITL, QUEUE, TTFT
+from backend.serving.metrics import Finished, Observe, Rejected
+
+CHECK = 0.02                        # cancel_check_interval
+SWEEP = 0.1                         # sweep_interval
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
 
 
 class FakeResponder:
-    def __init__(self, cancel_after: int | None = None):
+    def __init__(self):
         self.sent: list[tuple] = []         # (outputs, error, final)
-        self.cancel_after = cancel_after
+        self.cancelled = False
         self.checks = 0
-        self.done = threading.Event()
 
     def send(self, outputs=None, *, error=None, final=False):
-        assert not any(f for _, _, f in self.sent), "nothing may follow FINAL"
+        assert not self.finals, "nothing may follow FINAL"
         self.sent.append((outputs, error, final))
-        if final:
-            self.done.set()
 
     def is_cancelled(self):
         self.checks += 1
-        return self.cancel_after is not None and len(self.sent) >= self.cancel_after
+        return self.cancelled
 
     @property
     def finals(self):
         return sum(f for _, _, f in self.sent)
 
-    def texts(self, key="finish_reason"):
-        return [o[key][0].decode() for o, _, _ in self.sent if o is not None]
+    def ids(self):
+        return [[int(t) for t in o["output_ids"]] for o, _, _ in self.sent if o is not None]
 
-    def wait(self):
-        assert self.done.wait(5), self.sent
+    def reasons(self):
+        return [o["finish_reason"][0].decode() for o, _, _ in self.sent if o is not None]
+
+    def flags(self):
+        return [(o is None, e is None, f) for o, e, f in self.sent]
 
 
 class FakeLoop:
-    """Records submits; the test pushes deltas into the request's sink by hand."""
+    """The EngineLoop contract: sinks per request, abort futures, shutdown finishes what is open."""
 
-    def __init__(self):
+    def __init__(self, clock):
+        self.clock = clock
         self.healthy = True
         self.sinks: dict[str, object] = {}
         self.submitted: dict[str, dict] = {}
         self.aborts: list[str] = []
+        self.running: set[str] = set()
         self.raise_on_submit: Exception | None = None
+        self.accepting = True
 
     def submit(self, rid, ids, params, *, sink, **kw):
+        if not self.accepting:
+            raise unavailable("engine is shutting down")
         if self.raise_on_submit is not None:
             raise self.raise_on_submit
         self.sinks[rid] = sink
+        self.running.add(rid)
         self.submitted[rid] = dict(ids=ids, params=params, **kw)
+
+    def emit(self, rid, d):
+        if d.finished:
+            self.running.discard(rid)
+        self.sinks[rid](d)
 
     def abort(self, rid):
         self.aborts.append(rid)
         fut = Future()
-        fut.set_result(time.monotonic() if rid in self.sinks else None)
+        fut.set_result(self.clock() + 0.001 if rid in self.running else None)
         return fut
 
     def shutdown(self, drain=True, timeout=None):
-        for rid, sink in self.sinks.items():
-            sink(StepDelta(rid, 0, [], [], 0, finished=True, finish_reason="abort"))
+        self.accepting = False
+        for rid in list(self.running):
+            self.emit(rid, StepDelta(rid, 0, [], [], 0, finished=True, finish_reason="abort"))
 
 
-def push(svc, rid, d):
-    """Hand a delta to the service and let the response thread take it alone: deltas queued
-    together are merged (coalesce), which these tests of one-send-per-delta paths must avoid."""
-    svc.loop.sinks[rid](d)
-    deadline = time.monotonic() + 2
-    while not svc._q.empty() and time.monotonic() < deadline:
-        time.sleep(0.001)
-    time.sleep(0.02)
+class FakeMetrics:
+    def __init__(self):
+        self.batches: list[list] = []
+        self.stopped = False
+
+    def record(self, events):
+        self.batches.append(list(events))
+
+    def observe(self, name, seconds):
+        self.batches.append([Observe(name, seconds)])
+
+    def stop(self):
+        self.stopped = True
 
 
 def delta(rid, tokens, finished=False, reason=None, index=0, error=None):
     return StepDelta(rid, index, tokens, tokens, 0, finished=finished, finish_reason=reason, error=error,
-                     prompt_tokens=3, completion_tokens=len(tokens))
+                     prompt_tokens=3, completion_tokens=len(tokens), queue_time=0.5)
 
 
 @pytest.fixture
-def svc():
-    loop = FakeLoop()
-    s = EngineService(loop, max_model_len=64, sweep_interval=0.02)
-    yield s
-    s._q.put(_STOP)
+def clock():
+    return Clock()
 
 
-def submit(svc, rid="r", ids=(1, 2, 3), responder=None, **params):
-    responder = responder or FakeResponder()
+@pytest.fixture
+def svc(clock):
+    return make_service(clock)
+
+
+def make_service(clock, **kw):
+    kw = dict(max_model_len=64, sweep_interval=SWEEP, cancel_check_interval=CHECK, clock=clock,
+              start=False) | kw
+    return EngineService(FakeLoop(clock), **kw)
+
+
+def submit(svc, rid="r", ids=(1, 2, 3), **params):
+    responder = FakeResponder()
     svc.submit(Incoming(rid, list(ids) if ids is not None else None, params, responder))
     return responder
 
 
+def step(svc, dt=0.001):
+    """Let ``dt`` seconds pass, then run one response-thread step over everything queued."""
+    svc.loop.clock.t += dt
+    assert svc.responses.step(0)
+
+
+def emit(svc, rid, d, dt=0.001):
+    svc.loop.emit(rid, d)
+    step(svc, dt)
+
+
 def test_stream_sends_each_delta_and_final_with_the_last(svc):
     r = submit(svc, max_tokens=5)
-    push(svc, "r", delta("r", [7]))
-    push(svc, "r", delta("r", [8, 9]))
-    push(svc, "r", delta("r", [10], finished=True, reason="length"))
-    r.wait()
+    step(svc)
+    emit(svc, "r", delta("r", [7]))
+    emit(svc, "r", delta("r", [8, 9]))
+    emit(svc, "r", delta("r", [10], finished=True, reason="length"))
+    assert r.ids() == [[7], [8, 9], [10]]
     assert [f for _, _, f in r.sent] == [False, False, True]
-    assert r.texts() == ["", "", "length"]
-    assert r.sent[-1][0]["metrics"][0] != b""
+    assert r.reasons() == ["", "", "length"]
+    assert r.sent[0][0]["metrics"][0] == b"" and b'"ttft": 0.002' in r.sent[-1][0]["metrics"][0]
     assert svc.loop.submitted["r"]["stream"] is True
 
 
 def test_n_choices_final_goes_with_the_last_choice(svc):
     r = submit(svc, n=2, stream=False)
-    sink = svc.loop.sinks["r"]
-    sink(delta("r", [1, 2], finished=True, reason="length", index=1))
-    sink(delta("r", [3, 4], finished=True, reason="stop", index=0))
-    r.wait()
+    svc.loop.emit("r", delta("r", [1, 2], finished=True, reason="length", index=1))
+    step(svc)
+    assert r.flags() == [(False, True, False)]
+    emit(svc, "r", delta("r", [3, 4], finished=True, reason="stop", index=0))
     assert [(o["index"][0], f) for o, _, f in r.sent] == [(1, False), (0, True)]
     assert svc.loop.submitted["r"]["stream"] is False
 
 
-@pytest.mark.parametrize("params, ids, tag", [
-    ({"max_tokens": 0}, [1], "[invalid_request param=max_tokens]"),
-    ({"temperature": "nan"}, [1], "[invalid_request param=temperature]"),
-    ({}, [], "[invalid_request param=input_ids]"),
-    ({}, None, "[invalid_request param=input_ids]"),
-    ({"max_tokens": 100}, [1] * 10, "[invalid_request param=max_tokens]"),
-    ({}, [1] * 64, "[invalid_request param=input_ids]"),
+@pytest.mark.parametrize("params, ids, param", [
+    ({"max_tokens": 0}, [1], "max_tokens"),
+    ({"temperature": "nan"}, [1], "temperature"),
+    ({}, [], "input_ids"),
+    ({}, None, "input_ids"),
+    ({"max_tokens": 100}, [1] * 10, "max_tokens"),
+    ({}, [1] * 64, "input_ids"),
 ])
-def test_rejections_are_one_tagged_error_with_final(svc, params, ids, tag):
+def test_rejections_are_one_error_response_with_final(svc, params, ids, param):
     r = submit(svc, ids=ids, **params)
-    r.wait()
-    assert len(r.sent) == 1
-    outputs, error, final = r.sent[0]
-    assert outputs is None and final and str(error).startswith(tag)
+    step(svc)
+    (outputs, error, final), = r.sent
+    assert outputs is None and final
+    assert error.kind is ErrorKind.INVALID_REQUEST and error.param == param
+    assert to_wire(error).startswith(f"[invalid_request param={param}] ")
+    assert svc.loop.submitted == {}
 
 
-def test_engine_admission_errors_are_tagged(svc):
-    from backend.engine.errors import QueueFullError
-
-    svc.loop.raise_on_submit = QueueFullError("3 waiting", retry_after=2)
+@pytest.mark.parametrize("raised", [
+    queue_full("3 requests are waiting", retry_after=2.0),
+    unavailable("engine is not healthy: boom"),
+    invalid_request("input_ids", "prompt token ids must be integers in [0, 10)"),
+    deadline_exceeded(),
+])
+def test_engine_admission_errors_go_out_unchanged(svc, raised):
+    svc.loop.raise_on_submit = raised
     r = submit(svc)
-    r.wait()
-    assert str(r.sent[0][1]).startswith("[queue_full retry_after=2]") and r.sent[0][1].kind == "queue_full"
-    svc.loop.raise_on_submit = RuntimeError("[unavailable] engine is not healthy: boom")
-    r = submit(svc, rid="r2")
-    r.wait()
-    assert r.sent[0][1].kind == "unavailable"
-    svc.loop.raise_on_submit = ValueError("prompt token ids must be integers in [0, 10)")
-    r = submit(svc, rid="r3")
-    r.wait()
-    assert str(r.sent[0][1]).startswith("[invalid_request param=input_ids]")
+    step(svc)
+    assert r.flags() == [(True, False, True)] and r.sent[0][1] is raised
 
 
-def test_client_cancel_aborts_and_sends_one_bare_final(svc):
-    r = submit(svc, responder=FakeResponder(cancel_after=1), max_tokens=9)
-    push(svc, "r", delta("r", [7]))
-    push(svc, "r", delta("r", [8]))  # is_cancelled() is now true: not sent, engine told to abort
-    push(svc, "r", delta("r", [9]))  # still running until the abort lands: dropped
-    push(svc, "r", delta("r", [], finished=True, reason="abort"))
-    r.wait()
-    assert svc.loop.aborts == ["r"]
-    assert [(o is None, f) for o, _, f in r.sent] == [(False, False), (True, True)]
+def test_an_unexpected_admission_failure_is_one_internal_error(svc):
+    svc.loop.raise_on_submit = KeyError("oops")
+    r = submit(svc)
+    step(svc)
+    (_, error, final), = r.sent
+    assert final and error.kind is ErrorKind.INTERNAL and to_wire(error) == "[internal] KeyError: 'oops'"
+
+
+def test_cancel_is_checked_on_a_time_basis_not_per_send(svc):
+    r = submit(svc, max_tokens=30)
+    step(svc, 0)
+    for i in range(10):                     # a token every 6 ms: checks at 24 ms and 48 ms only
+        emit(svc, "r", delta("r", [i]), dt=0.006)
+    assert len(r.sent) == 10 and r.checks == 2
+
+
+def test_a_cancel_seen_aborts_at_once_and_ends_with_one_bare_final(svc):
+    r = submit(svc, max_tokens=9)
+    step(svc, 0)
+    emit(svc, "r", delta("r", [7]), dt=1.5 * CHECK)    # checked (not cancelled), sent
+    r.cancelled = True
+    emit(svc, "r", delta("r", [8]), dt=0.5 * CHECK)    # not due for a check: still sent
+    assert svc.loop.aborts == [] and r.checks == 1
+    emit(svc, "r", delta("r", [9]), dt=0.75 * CHECK)   # due: cancel seen, not sent, engine aborts now
+    assert svc.loop.aborts == ["r"] and r.checks == 2
+    emit(svc, "r", delta("r", [10]))                   # generated before the abort landed: dropped
+    emit(svc, "r", delta("r", [], finished=True, reason="abort"))
+    assert r.ids() == [[7], [8]]
+    assert r.flags() == [(False, True, False), (False, True, False), (True, True, True)]
 
 
 def test_cancel_of_a_silent_request_is_found_by_the_sweep(svc):
-    r = FakeResponder()
-    submit(svc, responder=r, stream=False)
-    r.cancel_after = 0               # cancelled before any send
-    deadline = time.monotonic() + 2
-    while not svc.loop.aborts and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert svc.loop.aborts == ["r"]
-    svc.loop.sinks["r"](delta("r", [], finished=True, reason="abort"))
-    r.wait()
+    r = submit(svc, stream=False)
+    step(svc)
+    r.cancelled = True
+    step(svc, SWEEP / 2)
+    assert svc.loop.aborts == []
+    step(svc, SWEEP)
+    assert svc.loop.aborts == ["r"] and r.sent == []
+    emit(svc, "r", delta("r", [], finished=True, reason="abort"))
     assert r.sent == [(None, None, True)]
 
 
-def test_engine_error_is_an_error_response_with_final(svc):
+def test_a_failed_send_stops_the_request_and_still_finals_once(svc):
+    r = submit(svc, max_tokens=9)
+    step(svc)
+
+    def broken(outputs=None, *, error=None, final=False):
+        r.sent.append(("attempt", error, final))
+        if outputs is not None:
+            raise RuntimeError("stream closed")
+    r.send = broken
+    emit(svc, "r", delta("r", [7]))
+    assert svc.loop.aborts == ["r"]
+    emit(svc, "r", delta("r", [], finished=True, reason="abort"))
+    assert [f for _, _, f in r.sent] == [False, True]
+
+
+def test_engine_error_is_one_error_response_and_stops_the_other_choices(svc):
     r = submit(svc, n=2)
-    sink = svc.loop.sinks["r"]
-    sink(delta("r", [5]))
-    sink(delta("r", [], finished=True, reason="error", error="[internal] engine step failed: X"))
-    sink(delta("r", [], finished=True, reason="error", index=1, error="[internal] engine step failed: X"))
-    r.wait()
-    assert r.sent[-1][1].kind == "internal" and r.finals == 1
-    assert len(r.sent) == 2
+    emit(svc, "r", delta("r", [5]))
+    boom = internal("engine step failed: X")
+    emit(svc, "r", delta("r", [], finished=True, reason="error", error=boom))
+    assert svc.loop.aborts == ["r"]
+    emit(svc, "r", delta("r", [], finished=True, reason="error", index=1, error=boom))
+    assert r.flags() == [(False, True, False), (True, False, True)] and r.sent[1][1] is boom
+
+
+def test_an_error_finish_without_an_error_is_internal(svc):
+    r = submit(svc)
+    emit(svc, "r", delta("r", [], finished=True, reason="error"))
+    (_, error, final), = r.sent
+    assert final and error.kind is ErrorKind.INTERNAL
 
 
 def test_deadline_is_an_unavailable_error(svc):
     r = submit(svc, request_timeout=0.5)
-    assert svc.loop.submitted["r"]["deadline"] is not None
-    svc.loop.sinks["r"](delta("r", [], finished=True, reason="abort", error="deadline exceeded"))
-    r.wait()
-    assert r.sent[0][1].kind == "unavailable" and "deadline" in str(r.sent[0][1])
+    assert svc.loop.submitted["r"]["deadline"] == pytest.approx(1000.5)
+    late = deadline_exceeded()
+    emit(svc, "r", delta("r", [], finished=True, reason="abort", error=late))
+    (_, error, final), = r.sent
+    assert final and error is late and to_wire(error).startswith("[unavailable] ") and "deadline" in str(error)
 
 
 def test_explicit_abort_control_request(svc):
     target = submit(svc, rid="t", max_tokens=9)
     ctrl = submit(svc, rid="c", ids=None, abort_request_id="t")
-    ctrl.wait()
-    assert svc.loop.aborts == ["t"] and ctrl.texts() == ["abort"] and ctrl.finals == 1
-    svc.loop.sinks["t"](delta("t", [3], finished=True, reason="abort"))
-    target.wait()
-    assert target.texts() == ["abort"] and target.finals == 1
+    step(svc)
+    assert svc.loop.aborts == ["t"] and ctrl.reasons() == ["abort"] and ctrl.finals == 1
+    emit(svc, "t", delta("t", [3], finished=True, reason="abort"))
+    assert target.reasons() == ["abort"] and target.finals == 1
 
 
-def test_abort_that_overtakes_its_request(svc):
+def test_abort_that_overtakes_its_request(svc, clock):
     ctrl = submit(svc, rid="c", ids=None, abort_request_id="late")
-    ctrl.wait()
-    assert ctrl.texts() == [""]
+    step(svc)
+    assert ctrl.reasons() == [""] and ctrl.finals == 1
     r = submit(svc, rid="late", n=2)
-    r.wait()
+    step(svc)
     assert "late" not in svc.loop.submitted
-    assert r.texts() == ["abort", "abort"] and r.finals == 1
+    assert r.reasons() == ["abort", "abort"] and [f for _, _, f in r.sent] == [False, True]
 
 
-def test_shutdown_finishes_every_open_request(svc):
+def test_a_tombstone_expires(svc):
+    submit(svc, rid="c", ids=None, abort_request_id="late")
+    step(svc, svc.tombstones.ttl + 1)
+    submit(svc, rid="late")
+    assert "late" in svc.loop.submitted
+
+
+def test_abort_after_finish_leaves_no_tombstone(svc):
+    first = submit(svc, rid="x", max_tokens=1)
+    emit(svc, "x", delta("x", [1], finished=True, reason="length"))
+    ctrl = submit(svc, rid="c", ids=None, abort_request_id="x")
+    step(svc)
+    assert ctrl.reasons() == [""] and first.finals == 1
+    del svc.loop.submitted["x"]
+    submit(svc, rid="x")                    # the id reused: it runs
+    assert "x" in svc.loop.submitted
+
+
+def test_a_rejected_duplicate_id_does_not_hide_the_running_request(svc):
+    running = submit(svc, rid="r", stream=False)
+    svc.loop.raise_on_submit = invalid_request("request_id", "request_id 'r' is already in use")
+    dup = submit(svc, rid="r")
+    step(svc)
+    assert dup.flags() == [(True, False, True)]
+    running.cancelled = True                # the sweep still watches the first one
+    step(svc, SWEEP)
+    assert svc.loop.aborts == ["r"]
+
+
+def test_shutdown_finishes_every_open_request_and_answers_later_ones(svc):
     r = submit(svc, max_tokens=9)
+    silent = submit(svc, rid="s")
+    svc.loop.running.discard("s")           # the engine lost it: shutdown must still end it
     svc.shutdown(timeout=1)
-    assert r.finals == 1 and r.texts() == ["abort"]
+    assert r.reasons() == ["abort"] and r.finals == 1
+    (_, error, final), = silent.sent
+    assert final and error.kind is ErrorKind.UNAVAILABLE
     late = submit(svc, rid="late")
-    assert late.sent == [] or late.sent[0][1].kind == "unavailable"
+    (_, error, final), = late.sent
+    assert final and error.kind is ErrorKind.UNAVAILABLE
+    ctrl = submit(svc, rid="c", ids=None, abort_request_id="r")
+    assert ctrl.reasons() == [""] and ctrl.finals == 1
 
 
-class FakeMetrics:
-    def __init__(self):
-        self.events = queue.Queue()
-
-    def observe(self, name, v):
-        self.events.put(("observe", name))
-
-    def finished(self, reason):
-        self.events.put(("finished", reason))
-
-    def rejected(self, kind):
-        self.events.put(("rejected", kind))
-
-
-def test_metric_events():
-    loop, m = FakeLoop(), FakeMetrics()
-    svc = EngineService(loop, max_model_len=64, metrics=m)
-    try:
-        r = submit(svc, max_tokens=5)
-        push(svc, "r", delta("r", [1]))
-        push(svc, "r", delta("r", [2], finished=True, reason="length"))
-        r.wait()
-        bad = submit(svc, rid="bad", max_tokens=0)
-        bad.wait()
-        time.sleep(0.05)
-        events = []
-        while not m.events.empty():
-            events.append(m.events.get())
-        assert events == [("observe", "llm_time_to_first_token_seconds"), ("observe", "llm_queue_time_seconds"),
-                          ("finished", "length"), ("observe", "llm_inter_token_latency_seconds"),
-                          ("observe", "llm_e2e_request_latency_seconds"), ("rejected", "invalid_request")]
-    finally:
-        svc._q.put(_STOP)
+def test_metric_events_go_out_once_per_step(clock):
+    m = FakeMetrics()
+    svc = make_service(clock, metrics=m)
+    a, b = submit(svc, rid="a", max_tokens=5), submit(svc, rid="b", max_tokens=5)
+    step(svc, 0)
+    svc.loop.emit("a", delta("a", [1]))
+    svc.loop.emit("b", delta("b", [1]))
+    step(svc, 0.25)
+    assert m.batches == [[Observe(TTFT, 0.25), Observe(QUEUE, 0.5)] * 2]
+    svc.loop.emit("a", delta("a", [2, 3], finished=True, reason="length"))
+    svc.loop.emit("b", delta("b", [2], finished=True, reason="stop"))
+    bad = submit(svc, rid="bad", temperature="nan")
+    step(svc, 0.5)
+    assert m.batches[1] == [Finished("length"), Observe(ITL, 0.25), Observe(E2E, 0.75),
+                            Finished("stop"), Observe(ITL, 0.5), Observe(E2E, 0.75), Rejected("invalid_request")]
+    assert len(m.batches) == 2 and a.finals == b.finals == bad.finals == 1
+    step(svc)
+    assert len(m.batches) == 2              # nothing new: nothing posted
 
 
-def test_stream_interval_gathers_mid_stream_tokens_but_not_the_first():
-    loop = FakeLoop()
-    svc = EngineService(loop, max_model_len=64, sweep_interval=0.02, stream_interval=0.2)
-    try:
-        r = submit(svc, max_tokens=9)
-        t0 = time.monotonic()
-        push(svc, "r", delta("r", [7]))
-        assert len(r.sent) == 1 and time.monotonic() - t0 < 0.15   # the first token is not held
-        for tok in (8, 9, 10):                                    # arrive within one interval
-            loop.sinks["r"](delta("r", [tok]))
-            time.sleep(0.02)
-        loop.sinks["r"](delta("r", [11], finished=True, reason="length"))
-        r.wait()
-        ids = [int(t) for o, _, _ in r.sent for t in o["output_ids"]]
-        assert ids == [7, 8, 9, 10, 11]
-        assert len(r.sent) < 5 and r.finals == 1
-    finally:
-        svc._q.put(_STOP)
+class ScriptedQueue(queue.Queue):
+    """Waits take no real time: a wait advances the fake clock to the next scheduled arrival (if it
+    comes before the wait's end) and delivers it, else to the wait's end, and times out."""
+
+    def __init__(self, clock):
+        super().__init__()
+        self.clock = clock
+        self.arrivals: list[list] = []      # [seconds after the previous arrival, what arrives]
+        self.waits: list[float] = []
+
+    def get(self, block=True, timeout=None):
+        if self.qsize() or not block or not timeout:
+            return super().get(block, timeout)
+        self.waits.append(round(timeout, 6))
+        if self.arrivals and self.arrivals[0][0] <= timeout:
+            after, arrive = self.arrivals.pop(0)
+            self.clock.t += after
+            arrive()
+            return super().get_nowait()
+        self.clock.t += timeout
+        if self.arrivals:
+            self.arrivals[0][0] -= timeout
+        raise queue.Empty
 
 
-def test_stream_interval_stops_waiting_for_a_final():
-    loop = FakeLoop()
-    svc = EngineService(loop, max_model_len=64, sweep_interval=0.02, stream_interval=2.0)
-    try:
-        r = submit(svc, max_tokens=9)
-        push(svc, "r", delta("r", [7]))
-        loop.sinks["r"](delta("r", [8]))                           # mid-stream: the thread lingers
-        time.sleep(0.05)
-        t0 = time.monotonic()
-        loop.sinks["r"](delta("r", [9], finished=True, reason="length"))
-        r.wait()
-        assert time.monotonic() - t0 < 1.0                         # not the whole 2 s interval
-        assert [int(t) for o, _, _ in r.sent for t in o["output_ids"]] == [7, 8, 9]
-    finally:
-        svc._q.put(_STOP)
+def gathering_service(clock, interval):
+    q = ScriptedQueue(clock)
+    return make_service(clock, stream_interval=interval, q=q), q
+
+
+def test_stream_interval_gathers_mid_stream_tokens_but_not_the_first(clock):
+    svc, q = gathering_service(clock, 0.2)
+    r = submit(svc, max_tokens=9)
+    step(svc)
+    emit(svc, "r", delta("r", [7]))
+    assert r.ids() == [[7]] and q.waits == []           # the first token went at once
+    q.arrivals = [[0.05, lambda t=t: svc.loop.emit("r", delta("r", [t]))] for t in (9, 10)]
+    emit(svc, "r", delta("r", [8]))
+    assert r.ids() == [[7], [8, 9, 10]]                   # one send for three steps' tokens
+    assert q.waits == [0.2, 0.15, 0.1]                    # ... after waiting out the interval
+    emit(svc, "r", delta("r", [11], finished=True, reason="length"))
+    assert r.ids()[-1] == [11] and r.finals == 1 and q.waits == [0.2, 0.15, 0.1]
+
+
+def test_stream_interval_stops_waiting_for_a_final(clock):
+    svc, q = gathering_service(clock, 2.0)
+    r = submit(svc, max_tokens=9)
+    emit(svc, "r", delta("r", [7]))
+    q.arrivals = [[0.05, lambda: svc.loop.emit("r", delta("r", [9], finished=True, reason="length"))],
+                  [0.05, lambda: pytest.fail("lingered past the final")]]
+    emit(svc, "r", delta("r", [8]))
+    assert q.waits == [2.0] and r.ids() == [[7], [8, 9]] and r.reasons()[-1] == "length" and r.finals == 1

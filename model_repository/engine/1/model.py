@@ -7,11 +7,10 @@ import triton_python_backend_utils as pb_utils
 
 from backend import protocol as P
 from backend.serving.engine_service import Incoming, build_engine_service
+from backend.serving.errors import to_wire, triton_code
 from backend.serving.tensors import config_parameters, require_model_dir
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-ERROR_CODES = {"invalid_request": "INVALID_ARG", "queue_full": "UNAVAILABLE", "unavailable": "UNAVAILABLE",
-               "internal": "INTERNAL"}
 
 
 class Responder:
@@ -29,8 +28,7 @@ class Responder:
         tensors = [pb_utils.Tensor(name, value) for name, value in (outputs or {}).items()]
         err = None
         if error is not None:
-            code = getattr(pb_utils.TritonError, ERROR_CODES.get(error.kind, "INTERNAL"))
-            err = pb_utils.TritonError(str(error), code)
+            err = pb_utils.TritonError(to_wire(error), getattr(pb_utils.TritonError, triton_code(error)))
         self.sender.send(pb_utils.InferenceResponse(output_tensors=tensors, error=err), flags=flags)
 
     def is_cancelled(self):

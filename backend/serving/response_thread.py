@@ -1,0 +1,267 @@
+"""The response thread: everything a client of the engine model sees leaves from here.
+
+    post(msg) ─► queue ─► step(): take the backlog ─► (linger) ─► coalesce ─► handle each message
+                                                                    └─► latency events: one batch
+
+It owns the table of open requests, so nothing else needs a lock on it, and it sends each
+request's FINAL exactly once on every path: with the last choice's final delta (stop, length,
+abort), with an error response (rejected, engine failure, deadline), as a bare FINAL after a
+client cancel once the engine confirmed the abort, and at shutdown. After ``STOP`` the thread is
+gone and ``post`` answers a late message itself, so a request submitted during shutdown still gets
+its one FINAL.
+
+Cancellation costs an ``is_cancelled()`` IPC round trip, so it is checked per request on a time
+basis: at most once per ``cancel_check_interval`` when the request sends, and by the sweep (every
+``sweep_interval``) when it sends nothing. A cancel seen is aborted in the engine at once, so the
+request's blocks are free before the engine's next step.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+from backend.errors import EngineError, internal, unavailable
+from backend.outputs import StepDelta
+from backend.serving.coalesce import coalesce, only_mid_stream
+from backend.serving.errors import wire_kind
+from backend.serving.latency import ABORT_TO_FREE, LatencyRecorder
+from backend.serving.messages import (STOP, ControlAnswered, DeltaArrived, Message, Opened, Rejected,
+                                      RequestHandle)
+from backend.serving.responses import control_outputs, engine_outputs
+from backend.serving.tombstones import AbortTombstones
+
+log = logging.getLogger(__name__)
+
+MAX_DRAIN = 4096                # messages taken per step (bounds one step's latency under a flood)
+CANCEL_CHECK_INTERVAL = 0.02    # s; at the 16-stream goal rate (~20 ms a token) about every other send
+
+
+class ResponseThread:
+    def __init__(self, loop: Any, tombstones: AbortTombstones, *, metrics: Any = None,
+                 stream_interval: float = 0.0, sweep_interval: float = 0.1,
+                 cancel_check_interval: float = CANCEL_CHECK_INTERVAL,
+                 clock: Callable[[], float] = time.monotonic, q: queue.Queue | None = None) -> None:
+        self.loop = loop
+        self.tombstones = tombstones
+        self.metrics = metrics
+        self.latency = LatencyRecorder(metrics)
+        self.stream_interval = stream_interval
+        self.sweep_interval = sweep_interval
+        self.cancel_check_interval = cancel_check_interval
+        self._clock = clock
+        self._q: queue.Queue = q if q is not None else queue.Queue()
+        self._lock = threading.Lock()       # post() vs the switch to closed
+        self._closed = False
+        self._open: dict[RequestHandle, None] = {}      # an ordered set; response thread only
+        self._next_sweep = clock() + sweep_interval
+        self._thread = threading.Thread(target=self.run, name="llm-responses", daemon=True)
+
+    # -- any thread ------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def post(self, msg: Message) -> None:
+        """Queue a message; once closed, answer it here (under the lock, one caller at a time)."""
+        with self._lock:
+            if not self._closed:
+                self._q.put(msg)
+                return
+            if msg is not STOP:
+                self._handle(msg)
+                self._close_open()
+                self.latency.flush()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Answer what is queued and close; runs the steps here if the thread is not running."""
+        self.post(STOP)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        else:
+            while self.step(0):
+                pass
+
+    # -- response thread -------------------------------------------------------------------
+    def run(self) -> None:
+        while self.step(self.sweep_interval):
+            pass
+
+    def step(self, timeout: float | None) -> bool:
+        """Handle what is queued (waiting up to ``timeout`` for the first message); False after STOP."""
+        try:
+            batch = [self._q.get(timeout=timeout)]
+        except queue.Empty:
+            batch = []
+        self._drain(batch)
+        if self.stream_interval > 0 and only_mid_stream(batch):
+            self._linger(batch)
+        stop = bool(batch) and batch[-1] is STOP
+        for msg in coalesce(batch[:-1] if stop else batch):
+            try:
+                self._handle(msg)
+            except Exception:               # noqa: BLE001 - the thread must survive a bad message
+                log.exception("response thread failed on %s", type(msg).__name__)
+        if stop:
+            self._close()
+            return False
+        now = self._clock()
+        if now >= self._next_sweep:
+            self._sweep(now)
+            self._next_sweep = now + self.sweep_interval
+        self.latency.flush()
+        return True
+
+    def _drain(self, batch: list[Message]) -> None:
+        """Append the queued backlog (coalesce merges it into fewer sends)."""
+        while batch and batch[-1] is not STOP and len(batch) < MAX_DRAIN:
+            try:
+                batch.append(self._q.get_nowait())
+            except queue.Empty:
+                return
+
+    def _linger(self, batch: list[Message]) -> None:
+        """Gather the next steps' tokens of mid-stream requests for up to ``stream_interval``;
+        stop waiting as soon as anything else arrives (a first token, a final, a control answer)."""
+        deadline = self._clock() + self.stream_interval
+        while (remaining := deadline - self._clock()) > 0:
+            try:
+                batch.append(self._q.get(timeout=remaining))
+            except queue.Empty:
+                return
+            self._drain(batch)
+            if not only_mid_stream(batch):
+                return
+
+    def _handle(self, msg: Message) -> None:
+        if isinstance(msg, DeltaArrived):
+            self._on_delta(msg.handle, msg.delta)
+        elif isinstance(msg, Opened):
+            self._open[msg.handle] = None
+        elif isinstance(msg, Rejected):
+            self.latency.rejected(wire_kind(msg.error))
+            self._finish(msg.handle, error=msg.error)
+        elif isinstance(msg, ControlAnswered):
+            self._on_control(msg)
+        else:
+            raise TypeError(f"not a response-queue message: {msg!r}")
+
+    def _on_delta(self, h: RequestHandle, d: StepDelta) -> None:
+        if h.done:
+            return
+        now = self._clock()
+        if d.finished:
+            h.remaining -= 1
+            self.latency.finished(d.finish_reason or "abort")
+        last = h.remaining <= 0
+        error = d.error
+        if error is None and d.finish_reason == "error":
+            error = internal("the engine failed this request")
+        if error is not None:
+            self._finish(h, error=error, abort_rest=not last)
+            return
+        if h.cancelled or self._cancel_seen(h, now):
+            if last:
+                self._finish(h)
+            return
+        ttft = self.latency.delta(h, d, now)
+        try:
+            h.responder.send(engine_outputs(d, ttft=ttft), final=last)
+        except Exception as exc:            # noqa: BLE001 - the stream is gone: stop generating
+            log.debug("send for %s failed: %s", h.rid, exc)
+            if last:
+                self._done(h)
+            else:
+                self._cancel(h, now)
+            return
+        if last:
+            self._done(h)
+            if d.finish_reason in ("stop", "length"):
+                self.latency.completed(h, now)
+
+    def _on_control(self, msg: ControlAnswered) -> None:
+        try:
+            freed = msg.freed.result()
+        except Exception:                   # noqa: BLE001 - the engine is gone: nothing was freed
+            freed = None
+        if freed is not None or self.tombstones.has_finished(msg.target):
+            self.tombstones.clear(msg.target)   # it was running (or already done): no tombstone
+        if freed is not None:
+            self.latency.abort_freed(freed - msg.seen)
+        try:
+            msg.responder.send(control_outputs(freed is not None), final=True)
+        except Exception:                   # noqa: BLE001 - the control client went away
+            log.debug("abort control answer for %s not delivered", msg.target)
+
+    def _cancel_seen(self, h: RequestHandle, now: float) -> bool:
+        """Ask Triton at most once per ``cancel_check_interval`` whether the client went away."""
+        return now - h.last_check >= self.cancel_check_interval and self._check(h, now)
+
+    def _check(self, h: RequestHandle, now: float) -> bool:
+        h.last_check = now
+        try:
+            gone = h.responder.is_cancelled()
+        except Exception:                   # noqa: BLE001
+            gone = True
+        if gone:
+            self._cancel(h, now)
+        return gone
+
+    def _cancel(self, h: RequestHandle, now: float) -> None:
+        """Stop generating; the request's FINAL goes out bare when the engine's abort delta comes."""
+        h.cancelled = True
+        fut = self.loop.abort(h.rid)
+        m = self.metrics
+        if m is not None:
+            def freed(f) -> None:           # runs on the engine thread: only a queue put
+                if not f.cancelled() and f.exception() is None and f.result() is not None:
+                    m.observe(ABORT_TO_FREE, f.result() - now)
+            fut.add_done_callback(freed)
+
+    def _sweep(self, now: float) -> None:
+        """Requests that send nothing for a while (queued, non-streaming) are checked here."""
+        for h in list(self._open):
+            if not h.done and not h.cancelled and now - h.last_check >= self.sweep_interval:
+                self._check(h, now)
+
+    def _finish(self, h: RequestHandle, *, error: EngineError | None = None, abort_rest: bool = False) -> None:
+        """Send the request's one FINAL (with an error response if given)."""
+        if h.done:
+            return
+        if abort_rest and getattr(self.loop, "healthy", True):
+            self.loop.abort(h.rid)          # its other choices must stop too
+        try:
+            h.responder.send(None, error=error, final=True)
+        except Exception as exc:            # noqa: BLE001
+            log.debug("final for %s not delivered: %s", h.rid, exc)
+        self._done(h)
+
+    def _done(self, h: RequestHandle) -> None:
+        h.done = True
+        self._open.pop(h, None)
+        self.tombstones.finished(h.rid)
+
+    def _close(self) -> None:
+        """STOP: apply what is still queued, end every open request, answer later posts inline."""
+        with self._lock:
+            self._closed = True
+            while True:
+                try:
+                    msg = self._q.get_nowait()
+                except queue.Empty:
+                    break
+                if msg is not STOP:
+                    try:
+                        self._handle(msg)
+                    except Exception:       # noqa: BLE001
+                        log.exception("response thread failed while closing")
+            self._close_open()
+            self.latency.flush()
+
+    def _close_open(self) -> None:
+        for h in list(self._open):
+            self._finish(h, error=None if h.cancelled else unavailable("the server shut down"))
