@@ -5,7 +5,7 @@ Contract with the scheduler (vLLM v1 style: opaque, all-or-nothing):
 
     n = mgr.acquire_prefix(seq_id, token_ids, salt)   # first time only: attach cached blocks
     ok = mgr.allocate_slots(seq_id, num_tokens)       # ensure room for num_tokens total tokens
-    ... model runs, writing KV via slot_mapping(seq_id, start, end) ...
+    ... model runs, writing KV at slots block_table(seq_id)[pos // bs] * bs + pos % bs ...
     mgr.commit(seq_id, token_ids, num_computed)       # cache blocks that became full
     mgr.fork(parent_id, child_id)                     # n > 1: share every block (ref + 1)
     mgr.free(seq_id)                                  # finish / abort / preempt
@@ -103,22 +103,6 @@ class KVCacheManager:
     def num_blocks(self) -> int:
         return len(self.pool.blocks)
 
-    @property
-    def num_free_blocks(self) -> int:
-        """Blocks with ref 0, cached ones included (they are reclaimable)."""
-        return self.pool.num_free
-
-    def __contains__(self, seq_id: str) -> bool:
-        return seq_id in self._seqs
-
-    def num_computed_tokens(self, seq_id: str) -> int:
-        return self._seqs[seq_id].num_computed
-
-    def lookup_prefix(self, token_ids: list[int], salt: str | None = None) -> int:
-        """Tokens of the longest cached prefix (device or offload tiers); read-only.
-        A multiple of block_size and always < len(token_ids)."""
-        return len(self._match(token_ids, salt)) * self._block_size
-
     # -- per-sequence operations ----------------------------------------------------------
     def acquire_prefix(self, seq_id: str, token_ids: list[int], salt: str | None = None) -> int | None:
         """First call for a sequence: attach its cached prefix blocks (ref + 1; swap-in from the
@@ -180,11 +164,6 @@ class KVCacheManager:
             seq.pending_query = None
         return True
 
-    def can_allocate(self, seq_id: str, num_tokens: int) -> bool:
-        """Would ``allocate_slots(seq_id, num_tokens)`` succeed now? (No side effects.)"""
-        num_new, cow = self._plan(self._get(seq_id), num_tokens)
-        return num_new + len(cow) <= self.pool.num_free
-
     def commit(self, seq_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
         """The first num_computed_tokens of token_ids now have KV: hash and cache newly full blocks."""
         seq = self._get(seq_id)
@@ -243,13 +222,6 @@ class KVCacheManager:
 
     def block_table(self, seq_id: str) -> list[int]:
         return [b.block_id for b in self._get(seq_id).blocks]
-
-    def slot_mapping(self, seq_id: str, start: int, end: int) -> list[int]:
-        """Slots for token positions [start, end)."""
-        blocks, bs = self._get(seq_id).blocks, self._block_size
-        if not 0 <= start <= end <= len(blocks) * bs:
-            raise ValueError(f"slot_mapping({seq_id!r}, {start}, {end}): table covers {len(blocks) * bs} tokens")
-        return [blocks[p // bs].block_id * bs + p % bs for p in range(start, end)]
 
     def stats(self) -> KVCacheStats:
         """A snapshot (a copy): safe to hand to the metrics thread."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from backend.kv_cache import KVCacheManager, hashing
+from tests.unit.kv_helpers import cached_tokens, free_blocks, slots
 
 BS = 4
 
@@ -41,17 +42,17 @@ def test_allocate_and_extend_across_block_boundaries():
     m = make()
     toks = list(range(100, 109))
     assert m.acquire_prefix("a", toks[:5]) == 0
-    assert m.block_table("a") == [] and m.num_free_blocks == 8
+    assert m.block_table("a") == [] and free_blocks(m) == 8
     assert m.allocate_slots("a", 5)
     assert m.block_table("a") == [0, 1]
-    assert m.slot_mapping("a", 0, 5) == [0, 1, 2, 3, 4]
+    assert slots(m, "a", 0, 5) == [0, 1, 2, 3, 4]
     m.commit("a", toks[:5], 5)
     assert m.allocate_slots("a", 8)                      # still fits in block 1
     assert m.block_table("a") == [0, 1]
     m.commit("a", toks[:8], 8)
     assert m.allocate_slots("a", 9)                      # crosses into a third block
     assert m.block_table("a") == [0, 1, 2]
-    assert m.slot_mapping("a", 7, 9) == [7, 8]
+    assert slots(m, "a", 7, 9) == [7, 8]
     m.commit("a", toks, 9)
     assert refs(m)[:4] == [1, 1, 1, 0]
     assert free_ids(m) == [3, 4, 5, 6, 7]
@@ -75,7 +76,7 @@ def test_full_and_partial_prefix_hits():
     m = make(num_blocks=10)
     prompt = list(range(10))
     assert run_prompt(m, "a", prompt) == 0             # blocks [0, 1, 2]; 0 and 1 cached
-    assert m.lookup_prefix(prompt) == 8
+    assert cached_tokens(m, prompt) == 8
     assert run_prompt(m, "b", prompt) == 8             # full hit: shares 0, 1, new block 3
     assert m.block_table("b") == [0, 1, 3]
     assert refs(m)[:4] == [2, 2, 1, 1]
@@ -83,9 +84,9 @@ def test_full_and_partial_prefix_hits():
     assert m.block_table("c") == [0, 4, 5]
     assert refs(m)[:2] == [3, 2]
     # Never the last token: 8 tokens hit one block (the model must compute position 7), 9 hit two.
-    assert m.lookup_prefix(prompt[:8]) == 4
-    assert m.lookup_prefix(prompt[:9]) == 8
-    assert m.lookup_prefix(prompt[:4]) == 0 and m.lookup_prefix([]) == 0
+    assert cached_tokens(m, prompt[:8]) == 4
+    assert cached_tokens(m, prompt[:9]) == 8
+    assert cached_tokens(m, prompt[:4]) == 0 and cached_tokens(m, []) == 0
     st = m.stats()
     assert (st.prefix_queried_tokens, st.prefix_hit_tokens) == (30, 12)   # lookups do not count
     assert m.acquire_prefix("d", prompt) == 8
@@ -123,7 +124,7 @@ def test_generated_tokens_are_cached_by_commit_and_not_rehashed(monkeypatch):
         m.check_integrity()
     assert calls == [(7, 7, 7, 7), (8, 8, 9, 9)]        # each block hashed once, when it filled
     assert m.block_table("a") == [0, 1, 2]
-    assert m.lookup_prefix(toks + [0]) == 8
+    assert cached_tokens(m, toks + [0]) == 8
 
 
 def test_fork_shares_blocks_and_copy_on_write_splits_the_partial_block():
@@ -158,7 +159,7 @@ def test_fork_at_a_block_boundary_needs_no_copy_and_child_chain_matches_parent()
     toks = prompt + [1, 2, 3, 4]
     m.allocate_slots("b", 12)
     m.commit("b", toks, 12)                             # the child's chain continues the parent's
-    assert m.lookup_prefix(toks + [0]) == 12
+    assert cached_tokens(m, toks + [0]) == 12
     m.check_integrity()
 
 
@@ -172,9 +173,9 @@ def test_eviction_takes_lru_head_so_chain_tails_go_first():
     assert m.allocate_slots("b", 8)
     assert m.block_table("b") == [3, 2]                 # 3 was free; 2 (a's tail) is evicted
     assert m.stats().evictions == 1 and m.pool.blocks[2].block_hash is None
-    assert m.lookup_prefix(a + [0]) == 8
+    assert cached_tokens(m, a + [0]) == 8
     assert m.allocate_slots("b", 12) and m.block_table("b") == [3, 2, 1]
-    assert m.stats().evictions == 2 and m.lookup_prefix(a + [0]) == 4
+    assert m.stats().evictions == 2 and cached_tokens(m, a + [0]) == 4
     m.check_integrity()
 
 
@@ -182,9 +183,9 @@ def test_tenant_salt_isolates_prefix_cache():
     m = make()
     prompt = list(range(9))
     run_prompt(m, "a", prompt, salt="tenant-1")
-    assert m.lookup_prefix(prompt, "tenant-1") == 8
-    assert m.lookup_prefix(prompt, "tenant-2") == 0
-    assert m.lookup_prefix(prompt, None) == 0
+    assert cached_tokens(m, prompt, "tenant-1") == 8
+    assert cached_tokens(m, prompt, "tenant-2") == 0
+    assert cached_tokens(m, prompt, None) == 0
     assert run_prompt(m, "b", prompt, salt="tenant-2") == 0
     assert set(m.block_table("a")).isdisjoint(m.block_table("b"))
     assert hashing.hash_block(b"", [1], "x") != hashing.hash_block(b"", [1], None)
@@ -196,9 +197,9 @@ def test_forced_hash_collision_never_returns_other_content(monkeypatch):
     run_prompt(m, "a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
     # Block 1 collides with block 0's entry and is left uncached.
     assert [b.block_id for b in m.pool.cached.values()] == [0]
-    assert m.lookup_prefix([9, 9, 9, 9, 5, 6, 7, 8, 0]) == 0       # other tokens
-    assert m.lookup_prefix([1, 2, 3, 4, 1, 2, 3, 4, 0]) == 4       # same tokens, other position
-    assert m.lookup_prefix([1, 2, 3, 4, 0], salt="t") == 0         # same tokens, other tenant
+    assert cached_tokens(m, [9, 9, 9, 9, 5, 6, 7, 8, 0]) == 0       # other tokens
+    assert cached_tokens(m, [1, 2, 3, 4, 1, 2, 3, 4, 0]) == 4       # same tokens, other position
+    assert cached_tokens(m, [1, 2, 3, 4, 0], salt="t") == 0         # same tokens, other tenant
     assert run_prompt(m, "b", [1, 2, 3, 4, 5, 6, 7, 8, 9]) == 4
     m.check_integrity()
 
@@ -215,7 +216,7 @@ def test_concurrent_identical_blocks_keep_the_first_cache_entry():
     toks = prompt + [6, 7]
     m.allocate_slots("b", 8)
     m.commit("b", toks, 8)                              # b's next block chains on a's entry
-    assert m.lookup_prefix(toks + [0]) == 8
+    assert cached_tokens(m, toks + [0]) == 8
     assert m.acquire_prefix("c", toks + [0]) == 8 and m.block_table("c") == [0, 3]
     m.free("b")
     assert free_ids(m)[0] == 2                          # the duplicate is freed as worthless
@@ -228,7 +229,7 @@ def test_allocation_failure_changes_nothing():
     m.fork("a", "b")
     assert m.acquire_prefix("c", [9] * 8) == 0 and m.allocate_slots("c", 8)   # [2, 3]: pool full
     before = snapshot(m)
-    assert not m.can_allocate("a", 9) and not m.allocate_slots("a", 9)
+    assert not m.allocate_slots("a", 9)
     assert not m.allocate_slots("b", 7)                 # would need a block for copy-on-write
     assert snapshot(m) == before
     m.check_integrity()
@@ -243,14 +244,12 @@ def test_errors_are_clear():
         m.acquire_prefix("a", [1, 2])
     with pytest.raises(ValueError):
         m.commit("a", [1, 2], 2)                        # no slots allocated yet
-    with pytest.raises(ValueError):
-        m.slot_mapping("a", 0, 1)
 
 
 def test_prefix_caching_disabled_caches_nothing():
     m = make(enable_prefix_caching=False)
     run_prompt(m, "a", list(range(9)))
-    assert m.pool.cached == {} and m.lookup_prefix(list(range(9))) == 0
+    assert m.pool.cached == {} and cached_tokens(m, list(range(9))) == 0
     m.free("a")
     assert run_prompt(m, "b", list(range(9))) == 0
 
@@ -278,5 +277,5 @@ def test_fork_before_commit_adopts_the_entry_the_other_holder_cached():
     toks = prompt + [5, 5, 5, 5]
     assert m.allocate_slots("b", 12)
     m.commit("b", toks, 12)
-    assert m.lookup_prefix(toks + [0]) == 12
+    assert cached_tokens(m, toks + [0]) == 12
     m.check_integrity()

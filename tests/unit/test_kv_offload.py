@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from backend.kv_cache import KVCacheManager, KVCacheStorage
+from tests.unit.kv_helpers import cached_tokens, slots
 
 BS, LAYERS, HEADS, DIM = 4, 2, 2, 3
 
@@ -31,10 +32,10 @@ def compute(m: KVCacheManager, st: KVCacheStorage, seq: str, tokens: list[int], 
     """Prefill a sequence: returns (prefix-hit tokens, KV of every position)."""
     n = m.acquire_prefix(seq, tokens, salt)
     assert n is not None and m.allocate_slots(seq, len(tokens))
-    write_kv(st, m.slot_mapping(seq, n, len(tokens)), gen)
+    write_kv(st, slots(m, seq, n, len(tokens)), gen)
     m.commit(seq, tokens, len(tokens))
     m.check_integrity()
-    return n, read_kv(st, m.slot_mapping(seq, 0, len(tokens)))
+    return n, read_kv(st, slots(m, seq, 0, len(tokens)))
 
 
 def test_storage_layout_views_and_block_io():
@@ -60,7 +61,7 @@ def test_cow_copies_content():
     m.fork("a", "b")
     assert m.allocate_slots("b", 7) and m.block_table("b") == [0, 2]
     assert torch.equal(st.read_blocks([2]), st.read_blocks([1]))
-    assert torch.equal(read_kv(st, m.slot_mapping("b", 0, 6)), kv)
+    assert torch.equal(read_kv(st, slots(m, "b", 0, 6)), kv)
 
 
 def test_offload_then_swap_in_is_bit_identical_with_exact_ids():
@@ -74,13 +75,13 @@ def test_offload_then_swap_in_is_bit_identical_with_exact_ids():
     assert [e.entry_id for e in host.entries.values()] == [3, 2, 1]      # LRU order: a's tail first
     s = m.stats()
     assert (s.evictions, s.offload_out_blocks, s.offload_out_bytes) == (3, 3, 3 * st.block_bytes)
-    assert m.lookup_prefix(a + [0]) == 12               # the chain continues into the host tier
+    assert cached_tokens(m, a + [0]) == 12               # the chain continues into the host tier
     assert m.block_table("b") == [3, 2, 1, 0]
     m.free("b")                                         # all four cached: tail first to the LRU tail
     assert m.pool.free.ids() == [0, 1, 2, 3]
     assert m.acquire_prefix("a2", a + [0]) == 12
     assert m.block_table("a2") == [0, 1, 2]             # fresh blocks from the head: b's tail evicted
-    assert torch.equal(read_kv(st, m.slot_mapping("a2", 0, 12)), kv_a[:, :, :12])
+    assert torch.equal(read_kv(st, slots(m, "a2", 0, 12)), kv_a[:, :, :12])
     # a's entries moved back (tiers are exclusive); b's three evicted blocks went out in their place.
     assert [e.entry_id for e in host.entries.values()] == [7, 6, 5]
     s = m.stats()
@@ -104,7 +105,7 @@ def test_disk_tier_receives_host_evictions_and_swaps_back(tmp_path):
     assert list(tmp_path.iterdir()) == []               # the scratch file is unlinked once mapped
     m.free("b")
     assert m.acquire_prefix("a2", a + [0]) == 12
-    assert torch.equal(read_kv(st, m.slot_mapping("a2", 0, 12)), kv_a[:, :, :12])
+    assert torch.equal(read_kv(st, slots(m, "a2", 0, 12)), kv_a[:, :, :12])
     m.check_integrity()
 
 
@@ -116,7 +117,7 @@ def test_last_tier_drops_lru_and_chain_stops_at_the_gap():
     m.free("a")
     compute(m, m.storage, "b", [50] * 16, gen)          # evicts 2, 1, 0; host keeps the last two
     assert m.offload.tiers[0].dropped == 1
-    assert m.lookup_prefix(a + [0]) == 8                # blocks 0, 1 of a are still reachable
+    assert cached_tokens(m, a + [0]) == 8                # blocks 0, 1 of a are still reachable
     m.check_integrity()
 
 
@@ -129,7 +130,8 @@ def test_swap_in_without_free_device_blocks_returns_none_and_changes_nothing():
     compute(m, st, "b", [50] * 16, gen)                 # b holds every device block
     before = ([list(t.entries) for t in m.offload.tiers], m.pool.free.ids(), m.stats())
     assert m.acquire_prefix("a2", a + [0]) is None
-    assert "a2" not in m
+    with pytest.raises(KeyError):                      # no table was made for a2
+        m.block_table("a2")
     assert ([list(t.entries) for t in m.offload.tiers], m.pool.free.ids(), m.stats()) == before
     m.check_integrity()
 
@@ -170,4 +172,4 @@ def test_cuda_storage_offloads_through_pinned_host_memory():
     compute(m, st, "b", [50] * 16, gen)
     m.free("b")
     assert m.acquire_prefix("a2", a + [0]) == 12
-    assert torch.equal(read_kv(st, m.slot_mapping("a2", 0, 12)), kv_a[:, :, :12])
+    assert torch.equal(read_kv(st, slots(m, "a2", 0, 12)), kv_a[:, :, :12])

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from backend.kv_cache import KVCacheManager, KVCacheStorage, hashing
+from tests.unit.kv_helpers import free_blocks, slots
 
 BS, NUM_BLOCKS, MAX_LEN = 4, 24, 40
 PRIME = 8388593   # values stay below 2**23: exact in float32
@@ -36,8 +37,7 @@ class Workload:
 
     def check_content(self, sid: str) -> None:
         s = self.running[sid]
-        slots = self.m.slot_mapping(sid, 0, s["computed"])
-        got = self.flat_k[slots].long().tolist()
+        got = self.flat_k[slots(self.m, sid, 0, s["computed"])].long().tolist()
         assert got == self.values(s, s["computed"]), f"{sid}: KV content differs from its own prefix"
 
     def start(self) -> None:
@@ -71,7 +71,7 @@ class Workload:
             return
         start, end = s["computed"], s["computed"] + num_new
         vals = self.values(s, end)[start:]
-        self.flat_k[self.m.slot_mapping(sid, start, end)] = torch.tensor(vals, dtype=torch.float32)
+        self.flat_k[slots(self.m, sid, start, end)] = torch.tensor(vals, dtype=torch.float32)
         s["computed"] = end
         self.m.commit(sid, s["tokens"], end)
         self.check_content(sid)
@@ -114,7 +114,7 @@ def test_random_operations_keep_integrity_and_content(tiers, tmp_path):
     m = KVCacheManager(num_blocks=NUM_BLOCKS, block_size=BS, storage=storage, **kw)
     w = Workload(m, random.Random(1234))
     w.run(5000)
-    assert m.num_free_blocks == NUM_BLOCKS and m.stats().num_used_blocks == 0
+    assert free_blocks(m) == NUM_BLOCKS and m.stats().num_used_blocks == 0
     st = m.stats()
     # The workload really exercised sharing, copy-on-write, eviction and (with tiers) swap-in.
     assert st.prefix_hit_tokens > 0 and st.cow_copies > 0 and st.evictions > 0
@@ -129,4 +129,4 @@ def test_random_operations_stay_exact_when_every_hash_collides(monkeypatch):
     storage = KVCacheStorage(num_layers=1, num_blocks=NUM_BLOCKS, block_size=BS, num_kv_heads=1, head_dim=1)
     m = KVCacheManager(num_blocks=NUM_BLOCKS, block_size=BS, storage=storage, host_tier_blocks=12)
     Workload(m, random.Random(99)).run(3000)
-    assert m.num_free_blocks == NUM_BLOCKS and m.stats().prefix_hit_tokens > 0
+    assert free_blocks(m) == NUM_BLOCKS and m.stats().prefix_hit_tokens > 0
