@@ -14,22 +14,20 @@ from tests.conftest import model_dir
 pytestmark = pytest.mark.e2e
 
 
-def test_missing_checkpoint_fails_fast_with_reason(tmp_path):
-    t0 = time.monotonic()
-    with pytest.raises(ServerStartError) as info:
-        TritonServer(tmp_path / "no-such-model", models=["preprocessing"], quiet=True).start()
-    assert time.monotonic() - t0 < 60
-    msg = str(info.value)
-    assert "exited" in msg and "not a checkpoint directory" in msg
+def test_missing_checkpoint_fails_before_starting_with_reason(tmp_path):
+    server = TritonServer(tmp_path / "no-such-model", models=["preprocessing"], quiet=True)
+    with pytest.raises(ValueError, match="no-such-model has no config.json: not a Hugging Face checkpoint"):
+        server.start()                      # rendering the repository reads the checkpoint's config
+    assert server.proc is None and not server.alive()
 
 
 def test_broken_config_fails_fast_with_reason(tmp_path):
     src = tmp_path / "templates"
-    shutil.copytree(TEMPLATES / "preprocessing", src / "preprocessing")
+    shutil.copytree(TEMPLATES, src)
     cfg = src / "preprocessing" / "config.pbtxt"
     cfg.write_text(cfg.read_text().replace("TYPE_INT32", "TYPE_NOT_A_TYPE"))
     t0 = time.monotonic()
-    server = TritonServer(model_dir("tiny"), repository_src=src, quiet=True)
+    server = TritonServer(model_dir("tiny"), repository_src=src, models=["preprocessing"], quiet=True)
     with pytest.raises(ServerStartError) as info:
         server.start()
     assert time.monotonic() - t0 < 60

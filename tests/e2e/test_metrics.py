@@ -22,6 +22,7 @@ def test_every_metric_is_exported(triton_server):
     assert {labels for name, labels in snap if name == FINISHED} == {(("reason", r),) for r in FINISH_REASONS}
     assert {labels for name, labels in snap if name == REJECTED} == {(("reason", r),) for r in REJECT_KINDS}
     assert metric(snap, "llm_engine_healthy") == 1
+    assert triton_server.engine_healthy() is True       # what `triton-llm serve` watches
 
 
 def test_metric_values_match_the_requests(triton_server):

@@ -1,0 +1,122 @@
+"""``triton-llm serve``: tritonserver + the OpenAI shim, supervised until Ctrl-C or SIGTERM.
+
+    start server ─► start shim ─► print endpoints ─► watch (exit 1 if either dies or the engine
+                                                     loop turns unhealthy: a supervisor restarts us)
+    SIGTERM / Ctrl-C ─► drain (unload; open streams finish, up to SERVE_DRAIN_SECONDS) ─► stop ─► 0
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+from backend.serving.process_group import spawn, terminate_group, wait_port
+from backend.serving.server_log import log_tail
+from backend.serving.tritonserver import ServerStartError, TritonServer
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SERVE_DRAIN_SECONDS = 60          # open streams may finish for this long after SIGTERM
+HEALTH_INTERVAL = 5.0
+
+
+def _client_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "") else host
+
+
+def start_shim(args: argparse.Namespace, server: TritonServer, workdir: pathlib.Path) -> subprocess.Popen | None:
+    """Start the OpenAI shim (client/shim) if it exists; None (with a note) otherwise."""
+    if not args.shim_port:
+        return None
+    if not (ROOT / "client" / "shim" / "__main__.py").exists():
+        print("[triton-llm] note: client/shim is not present; serving Triton only", file=sys.stderr)
+        return None
+    cmd = [sys.executable, "-m", "client.shim", "--triton-grpc", server.grpc_url,
+           "--host", args.host, "--port", str(args.shim_port), "--model-dir", str(server.model_dir)]
+    if args.api_keys:
+        cmd += ["--api-keys", args.api_keys]
+    log = workdir / "shim.log"
+    proc = spawn(cmd, log, cwd=ROOT)
+    if not wait_port(_client_host(args.host), args.shim_port, proc, timeout=60):
+        terminate_group(proc, timeout=5)
+        raise ServerStartError(f"the OpenAI shim did not start; last lines of {log}:\n{log_tail(log)}")
+    return proc
+
+
+def _print_endpoints(args: argparse.Namespace, server: TritonServer, shim: subprocess.Popen | None,
+                     workdir: pathlib.Path) -> None:
+    print(f"tritonserver  grpc {server.grpc_url}  http {server.http_url}  metrics {server.metrics_url}")
+    print("  models: llm (ensemble, text), engine (token ids), preprocessing, postprocessing")
+    if shim is not None:
+        host = _client_host(args.host)
+        print(f"OpenAI API    http://{host}:{args.shim_port}/v1   (log: {workdir / 'shim.log'})")
+        print(f"chat page     http://{host}:{args.shim_port}/")
+    print("Ctrl-C to stop.", flush=True)
+
+
+def watch(server: TritonServer, shim: subprocess.Popen | None, workdir: pathlib.Path) -> int:
+    """Return 1 as soon as the server or the shim exits, or the engine loop died; runs until then."""
+    next_health = time.monotonic() + HEALTH_INTERVAL
+    while True:
+        if not server.alive():
+            print(f"tritonserver exited; last lines of {server.log_path}:\n{log_tail(server.log_path)}",
+                  file=sys.stderr)
+            return 1
+        if shim is not None and shim.poll() is not None:
+            print(f"the shim exited; last lines of {workdir / 'shim.log'}:\n{log_tail(workdir / 'shim.log')}",
+                  file=sys.stderr)
+            return 1
+        if time.monotonic() >= next_health:
+            next_health = time.monotonic() + HEALTH_INTERVAL
+            if server.engine_healthy() is False:
+                # The model cannot flip Triton's readiness; exiting lets a supervisor restart us.
+                print("[triton-llm] the engine loop died (llm_engine_healthy 0); stopping so a "
+                      f"supervisor can restart the server. Log: {server.log_path}", file=sys.stderr)
+                return 1
+        time.sleep(0.5)
+
+
+def drain(server: TritonServer) -> float:
+    """Let open requests finish; returns how long ``stop()`` may still wait for what is left."""
+    print(f"\n[triton-llm] draining open requests (up to {SERVE_DRAIN_SECONDS}s), then stopping", file=sys.stderr)
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)   # a second Ctrl-C would orphan the drain
+        drained = server.drain(SERVE_DRAIN_SECONDS)
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    return 10.0 if drained else 5.0     # what is left now is stuck (e.g. an idle client stream)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    """``triton-llm serve``: tritonserver + OpenAI shim until Ctrl-C / SIGTERM."""
+    workdir = pathlib.Path(args.workdir) if args.workdir else ROOT / "build" / "serve"
+    workdir.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, _interrupt)
+    server = TritonServer(args.model, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
+                          metrics_port=args.metrics_port, engine_options=args.engine_option,
+                          workdir=workdir, exit_timeout=SERVE_DRAIN_SECONDS)
+    shim = None
+    stop_grace = None                   # stop()'s default unless a drain ran
+    try:
+        server.start()
+        shim = start_shim(args, server, workdir)
+        _print_endpoints(args, server, shim, workdir)
+        return watch(server, shim, workdir)
+    except KeyboardInterrupt:
+        stop_grace = drain(server)
+        return 0
+    except (ServerStartError, ValueError, FileNotFoundError) as exc:
+        print(f"[triton-llm] error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if shim is not None:
+            terminate_group(shim, timeout=5)
+        server.stop(grace=stop_grace)
