@@ -20,6 +20,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from backend.engine.admission import check_queue, duplicate_id, validate_request
@@ -31,7 +32,34 @@ from backend.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 Sink = Callable[[StepDelta], Any] | queue.Queue
-_STOP = ("stop",)
+
+
+# -- what the intake queue carries (one stop sentinel) -------------------------------------
+@dataclass(slots=True)
+class AddRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    salt: str | None
+    priority: int
+    deadline: float | None
+
+
+@dataclass(slots=True)
+class AbortRequest:
+    request_id: str
+    freed: Future            # resolves to the time.monotonic() instant the blocks were freed, or None
+
+
+STOP = object()
+
+
+@dataclass(slots=True)
+class _Open:
+    """A submitted request until its last choice's final delta went to the sink."""
+    sink: Sink
+    remaining: int           # choices not final yet
 
 
 class EngineLoop:
@@ -42,7 +70,7 @@ class EngineLoop:
         self.error: EngineError | None = None
         self._intake: queue.Queue = queue.Queue()
         self._lock = threading.Lock()            # guards the three fields below
-        self._open: dict[str, list] = {}        # request id -> [sink, choices not yet final]
+        self._open: dict[str, _Open] = {}
         self._queued = 0                        # adds submitted but not applied yet
         self._engine_waiting = 0                # sequences waiting in the engine, as last seen
         self._accepting = True
@@ -67,10 +95,9 @@ class EngineLoop:
             if request_id in self._open:
                 raise duplicate_id(request_id)
             check_queue(self.limits, self._engine_waiting + self._queued)
-            self._open[request_id] = [sink, params.n]
+            self._open[request_id] = _Open(sink, params.n)
             self._queued += 1
-        self._intake.put(("add", request_id, prompt_ids, params,
-                          dict(stream=stream, salt=salt, priority=priority, deadline=deadline)))
+        self._intake.put(AddRequest(request_id, prompt_ids, params, stream, salt, priority, deadline))
 
     def abort(self, request_id: str) -> Future:
         """Abort between steps. The future resolves to the time.monotonic() instant the request's
@@ -79,7 +106,7 @@ class EngineLoop:
         if not self._thread.is_alive():          # stopped or crashed: nothing is open any more
             fut.set_result(None)
         else:
-            self._intake.put(("abort", request_id, fut))
+            self._intake.put(AbortRequest(request_id, fut))
         return fut
 
     def stats(self) -> EngineStats:
@@ -99,7 +126,7 @@ class EngineLoop:
             if deadline is not None and time.monotonic() >= deadline:
                 break
             time.sleep(0.01)
-        self._intake.put(_STOP)
+        self._intake.put(STOP)
         self._thread.join(None if deadline is None else max(0.1, deadline - time.monotonic()))
 
     # -- engine thread ---------------------------------------------------------------------
@@ -132,26 +159,25 @@ class EngineLoop:
         except queue.Empty:
             return True
         while True:
-            if cmd is _STOP:
+            if cmd is STOP:
                 return False
-            if cmd[0] == "add":
-                self._add(*cmd[1:])
+            if isinstance(cmd, AddRequest):
+                self._add(cmd)
             else:
-                _, rid, fut = cmd
-                found = self.engine.abort_request(rid)
-                fut.set_result(time.monotonic() if found else None)
+                found = self.engine.abort_request(cmd.request_id)
+                cmd.freed.set_result(time.monotonic() if found else None)
             try:
                 cmd = self._intake.get_nowait()
             except queue.Empty:
                 return True
 
-    def _add(self, rid: str, prompt_ids: list[int], params: SamplingParams, kw: dict) -> None:
+    def _add(self, cmd: AddRequest) -> None:
         try:
-            self.engine.add_request(rid, prompt_ids, params, **kw)
+            self.engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.params, stream=cmd.stream,
+                                    salt=cmd.salt, priority=cmd.priority, deadline=cmd.deadline)
         except EngineError as exc:        # queue_full: preemptions filled the queue since submit
-            for index in range(params.n):
-                self._dispatch([StepDelta(rid, index, [], [], 0, finished=True, finish_reason="error",
-                                          error=exc)])
+            self._dispatch([StepDelta(cmd.request_id, index, [], [], 0, finished=True, finish_reason="error",
+                                      error=exc) for index in range(cmd.params.n)])
         with self._lock:
             self._queued -= 1
             self._engine_waiting = self.engine.scheduler.num_waiting
@@ -162,12 +188,12 @@ class EngineLoop:
             if entry is None:
                 continue
             if d.finished:
-                entry[1] -= 1
-                if entry[1] == 0:
+                entry.remaining -= 1
+                if entry.remaining == 0:
                     with self._lock:
                         self._open.pop(d.request_id, None)
             try:
-                sink = entry[0]
+                sink = entry.sink
                 sink.put(d) if isinstance(sink, queue.Queue) else sink(d)
             except Exception:               # a broken sink means the client is gone
                 log.exception("sink of request %s failed; aborting it", d.request_id)
@@ -184,13 +210,13 @@ class EngineLoop:
         except Exception:                   # noqa: BLE001
             deltas = []
         self._dispatch(deltas)
-        for rid, (sink, left) in list(self._open.items()):   # anything the engine lost track of
+        for rid, entry in list(self._open.items()):   # anything the engine lost track of
             self._dispatch([StepDelta(rid, i, [], [], 0, finished=True, finish_reason="error", error=error)
-                            for i in range(left)])
+                            for i in range(entry.remaining)])
         while True:                         # answer aborts queued behind the crash
             try:
                 cmd = self._intake.get_nowait()
             except queue.Empty:
                 break
-            if cmd[0] == "abort":
-                cmd[2].set_result(None)
+            if isinstance(cmd, AbortRequest):
+                cmd.freed.set_result(None)

@@ -132,3 +132,35 @@ def test_shutdown_drains_open_requests():
     with pytest.raises(EngineError, match="shutting down") as info:
         loop.submit("b", P, SamplingParams(), sink=q)
     assert info.value.kind is ErrorKind.UNAVAILABLE
+
+
+class ThreadSpy:
+    """The real engine, recording which threads read any of its attributes."""
+
+    def __init__(self, engine):
+        object.__setattr__(self, "_engine", engine)
+        object.__setattr__(self, "threads", set())
+
+    def __getattr__(self, name):
+        self.threads.add(threading.current_thread().name)
+        return getattr(self._engine, name)
+
+
+def test_submit_never_reads_engine_state_off_the_engine_thread():
+    loop = make_loop(max_waiting=1, max_model_len=64)
+    spy = ThreadSpy(loop.engine)
+    loop.engine = spy                        # every later self.engine access goes through the spy
+    gate = threading.Event()
+    try:
+        loop.submit("blocker", P, SamplingParams(max_tokens=2), sink=lambda d: gate.wait(30))
+        time.sleep(0.2)                      # the engine thread is now held in the sink
+        loop.submit("a", P, SamplingParams(), sink=queue.Queue())
+        for rid, prompt, params in [("b", P, SamplingParams()),                  # queue_full
+                                    ("c", list(range(100)), SamplingParams()),   # too long
+                                    ("a", P, SamplingParams())]:                 # duplicate id
+            with pytest.raises(EngineError):
+                loop.submit(rid, prompt, params, sink=queue.Queue())
+    finally:
+        gate.set()
+        loop.shutdown(drain=True, timeout=30)
+    assert spy.threads == {"engine-loop"}
