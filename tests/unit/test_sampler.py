@@ -8,7 +8,7 @@ import torch
 
 from backend.engine.sampler import Sampler
 from backend.engine.sequence import Request
-from backend.sampling_params import SamplingParams
+from backend.sampling_params import InvalidSamplingParam, SamplingParams
 
 V = 8
 EOS = 7
@@ -156,6 +156,7 @@ def test_logprobs_are_raw_model_logprobs_with_top_k_best_first():
     (dict(repetition_penalty=0), "repetition_penalty"), (dict(logprobs=99), "logprobs"),
     (dict(max_tokens=0), "max_tokens"), (dict(seed="x"), "seed"), (dict(stop=[""]), "stop"),
     (dict(temperature=float("nan")), "temperature")])
-def test_invalid_settings_raise_clear_value_errors(kw, name):
-    with pytest.raises(ValueError, match=name):
+def test_invalid_settings_raise_value_errors_naming_the_setting(kw, name):
+    with pytest.raises(InvalidSamplingParam, match=name) as info:
         SamplingParams(**kw)
+    assert isinstance(info.value, ValueError) and info.value.param == name
