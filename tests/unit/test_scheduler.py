@@ -3,32 +3,30 @@ from __future__ import annotations
 
 from backend.engine.scheduler import Scheduler
 from backend.engine.sequence import Request, SeqStatus
+from backend.engine.stop_checker import StopChecker
 from backend.kv_cache.manager import KVCacheManager
 from backend.sampling_params import SamplingParams
 from tests.unit.kv_helpers import free_blocks
 
 BS = 4
+EOS = 99
 
 
 def make(num_blocks=32, budget=16, max_seqs=8, caching=False):
     kv = KVCacheManager(num_blocks=num_blocks, block_size=BS, enable_prefix_caching=caching)
-    return kv, Scheduler(kv, max_num_seqs=max_seqs, max_num_batched_tokens=budget)
+    stop = StopChecker(None, [EOS], max_model_len=1024)
+    return kv, Scheduler(kv, max_num_seqs=max_seqs, max_num_batched_tokens=budget, stop_checker=stop)
 
 
-def req(rid, n_prompt, *, priority=0, arrival=0.0, n=1, first=0):
-    return Request(rid, list(range(first, first + n_prompt)), SamplingParams(n=n, max_tokens=50),
-                   max_tokens=50, stream=True, salt=None, priority=priority, deadline=None,
+def req(rid, n_prompt, *, priority=0, arrival=0.0, n=1, first=0, max_tokens=50):
+    return Request(rid, list(range(first, first + n_prompt)), SamplingParams(n=n, max_tokens=max_tokens),
+                   max_tokens=max_tokens, stream=True, salt=None, priority=priority, deadline=None,
                    arrival_time=arrival)
 
 
 def run(sched, out, sample_token=7):
-    """What the engine does after the model ran: advance, commit, append sampled tokens."""
-    for seq, n in out.scheduled:
-        seq.num_computed_tokens += n
-        sched.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
-    for seq, _ in out.scheduled:
-        if seq.num_computed_tokens == seq.num_tokens:
-            seq.token_ids.append(sample_token)
+    """What the engine does after the model ran: every sampling sequence drew ``sample_token``."""
+    return sched.update_from_output(out, [sample_token] * len(out.sampling), [None] * len(out.sampling))
 
 
 def chunks(out):
@@ -144,3 +142,38 @@ def test_prefix_hit_skips_cached_tokens():
     out = sched.schedule()
     assert chunks(out) == [("b#0", 2)]                    # two full blocks (8 tokens) cached
     assert b.num_cached_tokens == 8 and out.new_requests == [b]
+
+
+def test_update_from_output_forks_n_choices_onto_the_prompt_blocks_and_finishes():
+    kv, sched = make(budget=100)
+    r = req("r", 6, n=3, max_tokens=2)
+    sched.add_request(r)
+    out = sched.schedule()
+    # one logits row (the prompt's), sampled by choice 0 and its two new siblings
+    assert chunks(out) == [("r#0", 6)]
+    assert [s.seq_id for s in out.sampling] == ["r#0", "r#1", "r#2"] and out.logit_rows == [0, 0, 0]
+    assert not r.forked and len(r.seqs) == 1                  # registered only after the model ran
+    outcome = sched.update_from_output(out, [7, 8, EOS], [None] * 3)
+    assert r.forked and [s.output_ids for s in r.seqs] == [[7], [8], [EOS]]
+    assert (outcome.computed_tokens, outcome.recomputed_tokens) == (6, 0)
+    assert [s.seq_id for s in outcome.finished] == ["r#2"] and r.seqs[2].finish_reason == "stop"
+    # choices 0 and 1 share both prompt blocks; choice 2 stopped and gave its references back
+    assert kv.block_table("r#0") == kv.block_table("r#1")
+    assert [kv.pool.blocks[b].ref_cnt for b in kv.block_table("r#0")] == [2, 2]
+    assert set(sched.running) == {r.seqs[0], r.seqs[1]} and "r" in sched.requests
+    out = sched.schedule()
+    assert chunks(out) == [("r#0", 1), ("r#1", 1)] and out.logit_rows is None
+    outcome = run(sched, out)
+    assert [s.finish_reason for s in outcome.finished] == ["length", "length"]
+    assert "r" not in sched.requests and not sched.running and free_blocks(kv) == 32
+    kv.check_integrity()
+
+
+def test_finish_request_before_the_prompt_ran_still_finishes_every_choice():
+    kv, sched = make(budget=4)
+    r = req("r", 10, n=2)
+    sched.add_request(r)
+    run(sched, sched.schedule())                              # a first chunk of 4: blocks held
+    done = sched.finish_request(r, "abort", None)
+    assert [(s.index, s.finish_reason) for s in done] == [(0, "abort"), (1, "abort")]
+    assert "r" not in sched.requests and free_blocks(kv) == 32 and sched.num_waiting == 0
