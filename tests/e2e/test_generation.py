@@ -109,8 +109,7 @@ def test_sixteen_concurrent_streams(triton_server, offline, tokenizer):
         _check(results[k], offline["prompts"][i])
 
 
-def test_n_choices_and_stop_string(triton_server, offline):
-    expected = offline["prompts"][0].outputs[0]
+def test_n_choices(triton_server):
     # n > 1 (sampled, seeded): one final per choice, FINAL once, every choice indexed.
     for stream in (True, False):
         res = generate(triton_server, "llm", text=PROMPTS[0], max_tokens=6, temperature=0.8, seed=7, n=3,
@@ -120,19 +119,31 @@ def test_n_choices_and_stop_string(triton_server, offline):
         assert all(c.finish_reason in ("stop", "length") and c.text for c in res.choices.values())
         if not stream:
             assert res.responses == 3
-    # A stop string cut out of the greedy text: streamed and whole answers stop at the same place.
-    text = expected.text
-    if len(text) > 6:
-        stop = text[3:6]
-        cut = text[:text.index(stop)]
-        for stream in (True, False):
-            res = generate(triton_server, "llm", text=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0.0,
-                           stop=json.dumps([stop]), stream=stream)
-            assert res.error is None
-            assert res.text == cut and res.finish_reason == "stop"
+
+
+def test_stop_string_cuts_streamed_and_whole_alike(triton_server, offline):
+    """Always exercised: with ignore_eos the greedy answer is MAX_TOKENS tokens long, and the stop
+    string is three clean characters from its middle, so finish_reason "stop" can only come from
+    the stop string and the answer must end exactly before its first occurrence."""
+    ref = offline["llm"].generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                                               ignore_eos=True))[0].outputs[0]
+    text = ref.text
+    starts = [i for i in range(3, len(text) - 3) if "\ufffd" not in text[i:i + 3] and text[i:i + 3].strip()]
+    assert starts, f"the greedy answer has no clean 3-character window to stop at: {text!r}"
+    stop = text[starts[0]:starts[0] + 3]
+    cut = text[:text.index(stop)]
+    for stream in (True, False):
+        res = generate(triton_server, "llm", text=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0.0,
+                       ignore_eos=True, stop=json.dumps([stop]), stream=stream)
+        assert res.error is None and res.finals == 1
+        assert res.text == cut and res.finish_reason == "stop"
+        assert res.choices[0].final["completion_tokens"] < len(ref.token_ids)
 
 
 def test_logprobs_in_openai_shape(triton_server, offline):
+    """One entry per generated token, exactly the offline greedy ids' bytes, in order."""
+    from backend.serving.postprocess import TokenBytes
+
     expected = offline["prompts"][1].outputs[0]
     res = generate(triton_server, "llm", text=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0.0,
                    logprobs=True, top_logprobs=2)
@@ -143,5 +154,5 @@ def test_logprobs_in_openai_shape(triton_server, offline):
         assert len(lp["top_logprobs"]) == 2
         assert lp["top_logprobs"][0]["bytes"] == lp["bytes"]          # greedy: the chosen is the best
         assert lp["logprob"] == pytest.approx(lp["top_logprobs"][0]["logprob"])
-    raw = b"".join(bytes(lp["bytes"]) for lp in lps)
-    assert raw.decode("utf-8", errors="replace") == expected.text or expected.finish_reason == "stop"
+    token_bytes = TokenBytes(offline["llm"].tokenizer)
+    assert [bytes(lp["bytes"]) for lp in lps] == [token_bytes(t) for t in expected.token_ids]

@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import asdict
 
 import httpx
 import openai
 import pytest
 
+from backend.config import EngineArgs
+from backend.sampling_params import SamplingParams
+from tests.conftest import E2E_ENGINE_OPTIONS
 from tests.e2e.shim_fixtures import KEY, MODEL, async_sdk, sdk, shim  # noqa: F401 -- fixtures
 
 pytestmark = pytest.mark.e2e
@@ -19,21 +23,44 @@ def chat_text(r) -> str:
     return r.choices[0].message.content
 
 
-def test_chat_non_streaming(sdk):
+@pytest.fixture(scope="module")
+def offline(triton_server):
+    """The backend's offline LLM on the served checkpoint and engine options: the reference."""
+    from backend.llm import LLM
+
+    return LLM(str(triton_server.model_dir), **asdict(EngineArgs.from_dict(E2E_ENGINE_OPTIONS)))
+
+
+def offline_chat(llm, messages, **params):
+    """Greedy offline answer to chat ``messages`` (the same chat template the server applies)."""
+    ids = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    return llm.generate([list(ids)], SamplingParams(temperature=0.0, **params))[0]
+
+
+def offline_texts(llm, prompts, **params) -> list[str]:
+    return [o.outputs[0].text for o in llm.generate(list(prompts), SamplingParams(temperature=0.0, **params))]
+
+
+def test_chat_non_streaming_equals_offline(sdk, offline):
     raw = sdk.chat.completions.with_raw_response.create(model=MODEL, messages=CHAT, max_tokens=12, **GREEDY)
     r = raw.parse()
-    h = raw.headers
-    assert h["x-request-id"] == r.id and float(h["x-triton-llm-queue-time"]) >= 0
-    assert float(h["x-triton-llm-e2e"]) > 0 and int(h["x-triton-llm-cached-tokens"]) >= 0
-    assert int(h["x-triton-llm-preemptions"]) == 0
+    want = offline_chat(offline, CHAT, max_tokens=12)
     assert r.object == "chat.completion" and r.model == MODEL and len(r.choices) == 1
-    assert r.choices[0].message.role == "assistant" and isinstance(chat_text(r), str)
-    assert r.choices[0].finish_reason in ("stop", "length")
-    assert 1 <= r.usage.completion_tokens <= 12 and r.usage.prompt_tokens > 5
+    assert r.choices[0].message.role == "assistant"
+    assert chat_text(r) == want.outputs[0].text
+    assert r.choices[0].finish_reason == want.outputs[0].finish_reason
+    assert r.usage.completion_tokens == len(want.outputs[0].token_ids)
+    assert r.usage.prompt_tokens == len(want.prompt_token_ids)
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
-    assert r.usage.prompt_tokens_details.cached_tokens >= 0
+    cached = r.usage.prompt_tokens_details.cached_tokens
+    assert cached % 16 == 0 and cached < r.usage.prompt_tokens           # whole blocks, never the whole prompt
     extra = r.model_extra["triton_llm"]
-    assert extra["queue_time"] is not None and extra["e2e"] > 0    # ttft: streaming only
+    h = raw.headers                                                      # the headers repeat the body's numbers
+    assert h["x-request-id"] == r.id and int(h["x-triton-llm-cached-tokens"]) == cached
+    assert float(h["x-triton-llm-queue-time"]) == pytest.approx(extra["queue_time"], abs=1e-3)
+    assert float(h["x-triton-llm-e2e"]) == pytest.approx(extra["e2e"], abs=1e-3)
+    assert 0 <= extra["queue_time"] < extra["e2e"]                      # ttft: streaming only
+    assert int(h["x-triton-llm-preemptions"]) == 0
 
 
 def test_chat_streaming_equals_non_streaming_and_include_usage(sdk):
@@ -52,10 +79,12 @@ def test_chat_streaming_equals_non_streaming_and_include_usage(sdk):
     assert usage.model_extra["triton_llm"]["ttft"] is not None
 
 
-def test_completions_streaming_and_not(sdk):
+def test_completions_streaming_and_not(sdk, offline):
     prompt = "Once upon a time"
     whole = sdk.completions.create(model=MODEL, prompt=prompt, max_tokens=16, **GREEDY)
-    assert whole.object == "text_completion" and whole.choices[0].finish_reason in ("stop", "length")
+    (want,) = offline.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16))
+    assert whole.object == "text_completion" and whole.choices[0].text == want.outputs[0].text
+    assert whole.choices[0].finish_reason == want.outputs[0].finish_reason
     streamed = "".join(c.choices[0].text for c in sdk.completions.create(
         model=MODEL, prompt=prompt, max_tokens=16, stream=True, **GREEDY) if c.choices)
     assert streamed == whole.choices[0].text
@@ -114,20 +143,29 @@ def test_seeded_sampling_is_repeatable(sdk):
     assert a == b and a != c
 
 
-def test_penalties_accepted(sdk):
-    r = sdk.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, presence_penalty=0.5,
+def test_penalties_reach_the_sampler(sdk, offline):
+    """Greedy with penalties equals the offline answer with the same penalties and differs from
+    the plain greedy one (the tiny model repeats itself, so the penalties change its answer)."""
+    penalties = {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.2}
+    r = sdk.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16, presence_penalty=0.5,
                                     frequency_penalty=0.5, extra_body={"repetition_penalty": 1.2,
-                                                                       "stop_token_ids": [1]})
-    assert r.choices[0].finish_reason in ("stop", "length")
+                                                                       "ignore_eos": True}, **GREEDY)
+    want = offline_chat(offline, CHAT, max_tokens=16, ignore_eos=True, **penalties).outputs[0].text
+    plain = offline_chat(offline, CHAT, max_tokens=16, ignore_eos=True).outputs[0].text
+    assert chat_text(r) == want and want != plain
 
 
-def test_logprobs_shapes(sdk):
+def test_logprobs_shapes(sdk, offline):
+    from backend.serving.postprocess import TokenBytes
+
     r = sdk.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, logprobs=True, top_logprobs=2,
                                     extra_body={"ignore_eos": True}, **GREEDY)
     content = r.choices[0].logprobs.content
-    assert len(content) == 4
+    want = offline_chat(offline, CHAT, max_tokens=4, ignore_eos=True).outputs[0].token_ids
+    token_bytes = TokenBytes(offline.tokenizer)
+    assert [bytes(t.bytes) for t in content] == [token_bytes(i) for i in want]     # the greedy tokens
     for t in content:
-        assert isinstance(t.token, str) and t.logprob <= 0 and isinstance(t.bytes, list)
+        assert t.token == bytes(t.bytes).decode("utf-8", errors="replace") and t.logprob <= 0
         assert len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob
         assert t.logprob == pytest.approx(t.top_logprobs[0].logprob, abs=1e-4)   # greedy: the best one
     c = sdk.completions.create(model=MODEL, prompt="Hello", max_tokens=3, logprobs=1,
@@ -138,9 +176,10 @@ def test_logprobs_shapes(sdk):
 
 
 def test_unknown_fields_are_ignored(sdk):
-    r = sdk.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2,
+    plain = sdk.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, **GREEDY)
+    r = sdk.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, **GREEDY,
                                     extra_body={"not_an_openai_field": {"x": [1, 2]}, "guided_json": None})
-    assert r.choices[0].finish_reason in ("stop", "length")
+    assert chat_text(r) == chat_text(plain) and r.usage.completion_tokens == plain.usage.completion_tokens
 
 
 def test_models_and_health(sdk, shim):
@@ -150,7 +189,7 @@ def test_models_and_health(sdk, shim):
     assert httpx.get(shim.url + "/ready").json() == {"status": "ready"}
 
 
-def test_32_concurrent_streams_equal_their_non_streamed_results(async_sdk):
+def test_32_concurrent_streams_equal_their_non_streamed_and_offline_results(async_sdk, offline):
     prompts = [f"Story number {i}: the {['cat', '猫', 'dragon 🐉', 'ship'][i % 4]}" for i in range(32)]
 
     async def one(p):
@@ -171,4 +210,5 @@ def test_32_concurrent_streams_equal_their_non_streamed_results(async_sdk):
 
     streams, wholes = asyncio.run(go())
     assert streams == wholes
+    assert wholes == offline_texts(offline, prompts, max_tokens=16)
     assert len(set(wholes)) > 1
