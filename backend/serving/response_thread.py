@@ -53,7 +53,7 @@ class ResponseThread:
         self.cancel_check_interval = cancel_check_interval
         self._clock = clock
         self._q: queue.Queue = q if q is not None else queue.Queue()
-        self._lock = threading.Lock()       # post() vs the switch to closed
+        self._lock = threading.RLock()      # post() vs the switch to closed (re-entrant: inline answers)
         self._closed = False
         self._open: dict[RequestHandle, None] = {}      # an ordered set; response thread only
         self._next_sweep = clock() + sweep_interval

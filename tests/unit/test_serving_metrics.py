@@ -1,0 +1,66 @@
+"""The metrics thread applies one batch of events with one increment per counter label."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from backend.serving.metrics import Finished, Observe, Rejected, ServingMetrics
+
+
+class Metric:
+    def __init__(self, name, labels):
+        self.name, self.labels, self.calls = name, labels, []
+
+    def increment(self, n):
+        self.calls.append(("increment", n))
+
+    def set(self, v):
+        self.calls.append(("set", v))
+
+    def observe(self, v):
+        self.calls.append(("observe", v))
+
+
+class Factory:
+    def __init__(self):
+        self.metrics: list[Metric] = []
+
+    def _make(self, name, labels):
+        self.metrics.append(Metric(name, labels))
+        return self.metrics[-1]
+
+    def counter(self, name, doc, labels):
+        return self._make(name, labels)
+
+    gauge = counter
+
+    def histogram(self, name, doc, labels, buckets):
+        return self._make(name, labels)
+
+    def get(self, name, **labels):
+        (m,) = [m for m in self.metrics if m.name == name and all(m.labels.get(k) == v for k, v in labels.items())]
+        return m
+
+
+def stats():
+    kv = SimpleNamespace(prefix_queried_tokens=0, prefix_hit_tokens=0, evictions=0, offload_out_bytes=0,
+                         offload_in_bytes=0)
+    return SimpleNamespace(num_running=0, num_waiting=0, kv_usage=0.0, prompt_tokens=0, generation_tokens=0,
+                           num_preemptions=0, num_aborted=0, num_deadline_exceeded=0, kv=kv)
+
+
+def test_a_batch_is_one_increment_per_label():
+    f = Factory()
+    m = ServingMetrics(f, stats=stats, healthy=lambda: True, labels={"model": "engine"}, poll_interval=60)
+    try:
+        m.record([Finished("length"), Observe("llm_queue_time_seconds", 0.5), Finished("length"),
+                  Rejected("queue_full"), Finished("stop"), Finished("length"), Rejected("nonsense"),
+                  Observe("llm_queue_time_seconds", -1.0)])
+        m.flush()
+        assert f.get("llm_requests_finished_total", reason="length").calls == [("increment", 3)]
+        assert f.get("llm_requests_finished_total", reason="stop").calls == [("increment", 1)]
+        assert f.get("llm_requests_finished_total", reason="abort").calls == []
+        assert f.get("llm_requests_rejected_total", reason="queue_full").calls == [("increment", 1)]
+        assert f.get("llm_requests_rejected_total", reason="internal").calls == [("increment", 1)]
+        assert f.get("llm_queue_time_seconds").calls == [("observe", 0.5), ("observe", 0.0)]
+    finally:
+        m.stop()
