@@ -84,7 +84,7 @@ class LLMEngine:
         try:
             check_queue(self.limits, self.scheduler.num_waiting)
         except EngineError:
-            self.stats_recorder.counters.num_rejected += 1
+            self.stats_recorder.record_rejected()
             raise
         self.scheduler.add_request(Request(
             request_id, prompt_token_ids, params or SamplingParams(), max_tokens=max_tokens, stream=stream,
@@ -96,7 +96,7 @@ class LLMEngine:
         req = self.scheduler.requests.get(request_id)
         if req is None:
             return False
-        self.stats_recorder.counters.num_aborted += 1
+        self.stats_recorder.record_aborted()
         self._finish_request(req, "abort", None)
         return True
 
@@ -105,6 +105,7 @@ class LLMEngine:
 
     # -- the step --------------------------------------------------------------------------
     def step(self) -> list[StepDelta]:
+        """One iteration of continuous batching; returns every choice's delta (finals included)."""
         self._expire_deadlines()
         deltas, self._finals = self._finals, []
         out = self.scheduler.schedule()
@@ -126,7 +127,7 @@ class LLMEngine:
 
     def _expire_deadlines(self) -> None:
         for req in self.scheduler.expired(time.monotonic()):
-            self.stats_recorder.counters.num_deadline_exceeded += 1
+            self.stats_recorder.record_deadline_exceeded()
             self._finish_request(req, "abort", deadline_exceeded())
 
     def fail_all(self, error: EngineError) -> list[StepDelta]:

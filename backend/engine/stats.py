@@ -62,6 +62,15 @@ class StatsRecorder:
         c.generation_tokens += len(outcome.sampled)
         self.record_finished(outcome.finished)
 
+    def record_rejected(self) -> None:
+        self.counters.num_rejected += 1
+
+    def record_aborted(self) -> None:
+        self.counters.num_aborted += 1
+
+    def record_deadline_exceeded(self) -> None:
+        self.counters.num_deadline_exceeded += 1
+
     def record_finished(self, seqs: list["Sequence"]) -> None:
         finished = self.counters.finished
         for seq in seqs:
