@@ -2,12 +2,15 @@
 
 Only the shape is checked here (types; a wrong type is a 400 naming the field). Value ranges are
 checked once, on the server (backend/serving/request_params.py), and come back as tagged errors.
+Server-side parameter names are backend/protocol.py's.
 """
 from __future__ import annotations
 
 from typing import Any, Union
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from backend import protocol as P
 
 
 class _Body(BaseModel):
@@ -45,16 +48,17 @@ class _Generation(_Body):
 
     def common_params(self) -> dict[str, Any]:
         p: dict[str, Any] = {}
-        for name in ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
-                     "frequency_penalty", "repetition_penalty", "stop_token_ids", "min_tokens",
-                     "ignore_eos", "priority"):
+        # body field == server parameter name (priority: the client sends it as request_priority)
+        for name in (P.N, P.TEMPERATURE, P.TOP_P, P.TOP_K, P.MIN_P, P.SEED, P.PRESENCE_PENALTY,
+                     P.FREQUENCY_PENALTY, P.REPETITION_PENALTY, P.STOP_TOKEN_IDS, P.MIN_TOKENS,
+                     P.IGNORE_EOS, "priority"):
             value = getattr(self, name)
             if value is not None:
                 p[name] = value
         if self.stop is not None:
             stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
             if stop:
-                p["stop"] = stop
+                p[P.STOP] = stop
         return p
 
 
@@ -83,17 +87,17 @@ class ChatCompletionRequest(_Generation):
         p = self.common_params()
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         if max_tokens is not None:          # omitted: the rest of the context window
-            p["max_tokens"] = max_tokens
+            p[P.MAX_TOKENS] = max_tokens
         if self.logprobs:
-            p["logprobs"] = self.top_logprobs or 0
+            p[P.LOGPROBS_PARAM] = self.top_logprobs or 0
         return p
 
     def param_names(self) -> dict[str, str]:
         """Server-side parameter names -> this request's field names (for 400 ``param``)."""
-        names = {"logprobs": "top_logprobs" if self.top_logprobs is not None else "logprobs",
-                 "request_priority": "priority"}
+        names = {P.LOGPROBS_PARAM: "top_logprobs" if self.top_logprobs is not None else "logprobs",
+                 P.REQUEST_PRIORITY: "priority"}
         if self.max_completion_tokens is not None:
-            names["max_tokens"] = "max_completion_tokens"
+            names[P.MAX_TOKENS] = "max_completion_tokens"
         return names
 
 
@@ -109,10 +113,10 @@ class CompletionRequest(_Generation):
     def params(self) -> dict[str, Any]:
         p = self.common_params()
         if self.max_tokens is not None:     # omitted: the rest of the context window
-            p["max_tokens"] = self.max_tokens
+            p[P.MAX_TOKENS] = self.max_tokens
         if self.logprobs is not None:
-            p["logprobs"] = self.logprobs
+            p[P.LOGPROBS_PARAM] = self.logprobs
         return p
 
     def param_names(self) -> dict[str, str]:
-        return {"text_input": "prompt", "request_priority": "priority"}
+        return {P.TEXT_INPUT: "prompt", P.REQUEST_PRIORITY: "priority"}
