@@ -3,6 +3,9 @@
     def test_x(chat_stack, chat_page):      # chat_stack.base_url, .keys, .abort_count(), .metrics()
         chat_page.goto(chat_stack.base_url)
 
+``real_chat_stack`` is the same on the default model (SmolLM2-135M-Instruct), for tests where the
+words matter.
+
 Chromium is Debian's (`scripts/install_browser.sh` installs it when missing; the tests skip, saying
 why, only when that fails). Development only: ``TRITON_LLM_CHAT_FAKE=1`` serves the shim in-process
 on the scripted FakeLLMClient instead of Triton (no real engine behind it; never the default).
@@ -83,27 +86,14 @@ def _wait_http(url: str, proc: subprocess.Popen | None, log: pathlib.Path, timeo
     raise RuntimeError(f"the shim did not answer {url} in {timeout:.0f}s:\n{log.read_text()[-3000:]}")
 
 
-@pytest.fixture(scope="session")
-def chat_stack(request):
-    from tests.conftest import model_dir
-
-    tiny = model_dir("tiny")
-    work = pathlib.Path(tempfile.mkdtemp(prefix="chat-stack-"))
-    keys_file = work / "keys.txt"
-    keys_file.write_text("".join(f"{key}:{tenant}\n" for tenant, key in KEYS.items()))
-    if FAKE:
-        yield from _fake_stack(tiny, work, keys_file)
-        return
+def _shim_stack(triton, model_dir: pathlib.Path, work: pathlib.Path, keys_file: pathlib.Path):
+    """The real OpenAI shim (and chat page) in front of ``triton``, until the generator closes."""
     from backend.serving.launcher import free_port, terminate_group
-    from tests.conftest import _tritonserver_available
 
-    if not _tritonserver_available():
-        pytest.skip("tritonserver not installed (pip install nvidia-pytriton)")
-    triton = request.getfixturevalue("triton_server")   # the session's one server
     port = free_port()
     log = work / "shim.log"
     cmd = [sys.executable, "-m", "client.shim", "--triton-grpc", triton.grpc_url,
-           "--host", "127.0.0.1", "--port", str(port), "--model-dir", str(tiny),
+           "--host", "127.0.0.1", "--port", str(port), "--model-dir", str(model_dir),
            "--api-keys", str(keys_file), "--chat-db", str(work / "chat.sqlite3"),
            "--log-level", "warning"]
     with open(log, "wb") as out:
@@ -111,9 +101,47 @@ def chat_stack(request):
                                 start_new_session=True)
     try:
         _wait_http(f"http://127.0.0.1:{port}/health", proc, log)
-        yield Stack(f"http://127.0.0.1:{port}", tiny, triton.metrics_url)
+        yield Stack(f"http://127.0.0.1:{port}", model_dir, triton.metrics_url)
     finally:
         terminate_group(proc, timeout=10)
+
+
+def _work_dir(prefix: str) -> tuple[pathlib.Path, pathlib.Path]:
+    work = pathlib.Path(tempfile.mkdtemp(prefix=prefix))
+    keys_file = work / "keys.txt"
+    keys_file.write_text("".join(f"{key}:{tenant}\n" for tenant, key in KEYS.items()))
+    return work, keys_file
+
+
+def _need_tritonserver() -> None:
+    from tests.conftest import _tritonserver_available
+
+    if not _tritonserver_available():
+        pytest.skip("tritonserver not installed (pip install nvidia-pytriton)")
+
+
+@pytest.fixture(scope="session")
+def chat_stack(request):
+    from tests.conftest import model_dir
+
+    tiny = model_dir("tiny")
+    work, keys_file = _work_dir("chat-stack-")
+    if FAKE:
+        yield from _fake_stack(tiny, work, keys_file)
+        return
+    _need_tritonserver()
+    triton = request.getfixturevalue("triton_server")   # the session's one server
+    yield from _shim_stack(triton, tiny, work, keys_file)
+
+
+@pytest.fixture(scope="session")
+def real_chat_stack(request):
+    """The same stack on the default model (SmolLM2-135M-Instruct; tests/conftest.py real_server,
+    whose context window is clamped to 512 tokens by its KV pool)."""
+    _need_tritonserver()
+    triton = request.getfixturevalue("real_server")
+    work, keys_file = _work_dir("real-chat-stack-")
+    yield from _shim_stack(triton, triton.model_dir, work, keys_file)
 
 
 def _fake_stack(tiny, work, keys_file):
