@@ -3,7 +3,8 @@
 Both backends call the keyword-only functions of ``kernels/`` (shapes in ``kernels/reference.py``)::
 
     TorchAttention   kernels.reference.store_kv_cache_ref + paged_attention_ref   (CPU default;
-                     decodes take the faster backend/model/decode_attention.py)
+                     decodes take kernels/cpu.py's C kernel, which reads K/V through the block
+                     table, or without a C compiler backend/model/decode_attention.py)
     TritonAttention  kernels.store_kv_cache + kernels.paged_attention              (CUDA, or CPU
                                                                                     under TRITON_INTERPRET=1)
 
@@ -49,6 +50,7 @@ class AttentionBackend:
 class _TorchSplit:
     """How a step divides between the decode fast path and the reference (prefill chunks)."""
     decode: DecodePlan | None
+    c_decode: tuple | None                # (rows, seq, ctx) for kernels.cpu.attend, instead of `decode`
     prefill_rows: torch.Tensor | None     # query rows of the prefill sequences; None: every row
     prefill_args: dict | None             # block_tables / cu_seqlens_q / seq_lens of those sequences
 
@@ -58,18 +60,32 @@ class TorchAttention(AttentionBackend):
     ``kernels.reference.paged_attention_ref`` (which gathers the chunk's blocks and runs SDPA)."""
     name = "torch"
 
-    def __init__(self):
+    def __init__(self, c_kernels: bool = True):
         from kernels.reference import paged_attention_ref, store_kv_cache_ref
         self._store, self._attend = store_kv_cache_ref, paged_attention_ref
+        self._c_kernels = c_kernels
 
     def forward(self, query, key, value, k_cache, v_cache, meta, scale):
-        self._store(key=key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=meta.slot_mapping)
+        from kernels import cpu
+
+        use_c = self._c_kernels and key.dtype == k_cache.dtype and cpu.supports(k_cache.dtype, k_cache.device)
+        if use_c:
+            cpu.store_kv(key.contiguous(), value.contiguous(), k_cache, v_cache, meta.slot_mapping)
+        else:
+            self._store(key=key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=meta.slot_mapping)
         split = meta.cache.get("torch_split")
         if split is None:
             split = meta.cache["torch_split"] = self._split(meta, k_cache.shape[1],
                                                             query.shape[1] * query.shape[2] * 4,  # fp32 math
-                                                            query.device)
-        out = torch.empty_like(query)
+                                                            query.device, use_c)
+        if split.c_decode is not None:
+            rows, seq, ctx = split.c_decode
+            q32 = query.float().contiguous()
+            out = torch.empty_like(q32)
+            cpu.attend(q32, k_cache, v_cache, meta.cache["c_tables"], rows, seq, ctx, scale, out)
+            out = out.to(query.dtype)
+        else:
+            out = torch.empty_like(query)
         if split.decode is not None:
             decode_attention(query, k_cache, v_cache, split.decode, scale, out)
         if split.prefill_args is not None:
@@ -81,26 +97,30 @@ class TorchAttention(AttentionBackend):
         return out
 
     @staticmethod
-    def _split(meta: AttentionMetadata, block_size: int, row_bytes: int, device) -> _TorchSplit:
+    def _split(meta: AttentionMetadata, block_size: int, row_bytes: int, device, use_c: bool) -> _TorchSplit:
         starts, lens = meta.cu_seqlens_q.tolist(), meta.seq_lens.tolist()
         q_lens = [starts[i + 1] - starts[i] for i in range(len(lens))]
         dec = [i for i, n in enumerate(q_lens) if n == 1]
         pre = [i for i, n in enumerate(q_lens) if n > 1]
-        plan = None
-        if dec:
+        plan = c_plan = None
+        if dec and use_c:
+            meta.cache["c_tables"] = meta.block_tables.to(torch.int32).contiguous()
+            c_plan = (torch.tensor([starts[i] for i in dec], dtype=torch.int64),
+                      torch.tensor(dec, dtype=torch.int32), torch.tensor([lens[i] for i in dec], dtype=torch.int32))
+        elif dec:
             tables = meta.block_tables if len(dec) == len(lens) else meta.block_tables[dec]
             plan = plan_decode([starts[i] for i in dec], [lens[i] for i in dec], tables, block_size,
                                row_bytes, device)
         if not pre:
-            return _TorchSplit(plan, None, None)
+            return _TorchSplit(plan, c_plan, None, None)
         if not dec:
-            return _TorchSplit(None, None, dict(block_tables=meta.block_tables, cu_seqlens_q=meta.cu_seqlens_q,
-                                                seq_lens=meta.seq_lens))
+            return _TorchSplit(None, None, None, dict(block_tables=meta.block_tables,
+                                                      cu_seqlens_q=meta.cu_seqlens_q, seq_lens=meta.seq_lens))
         rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in pre]).to(device)
         cu = torch.tensor([0] + [q_lens[i] for i in pre]).cumsum(0).to(device=device, dtype=torch.int32)
         args = dict(block_tables=meta.block_tables[pre], cu_seqlens_q=cu,
                     seq_lens=meta.seq_lens[pre])
-        return _TorchSplit(plan, rows, args)
+        return _TorchSplit(plan, c_plan, rows, args)
 
 
 class TritonAttention(AttentionBackend):

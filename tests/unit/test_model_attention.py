@@ -8,6 +8,7 @@ import torch
 
 import backend.model.decode_attention as decode_mod
 from backend.model.attention import AttentionMetadata, TorchAttention
+from kernels import cpu as cpu_kernels
 from kernels.reference import paged_attention_ref, store_kv_cache_ref
 
 BS, NUM_BLOCKS = 4, 96
@@ -46,13 +47,16 @@ def reference(meta, cache, qkv, scale):
     ([5, 2], [5, 14]),                                               # prefill only
 ])
 @pytest.mark.parametrize("hq, hkv", [(4, 4), (6, 2)])
-def test_torch_backend_matches_reference(monkeypatch, q_lens, ctx_lens, hq, hkv):
+@pytest.mark.parametrize("c_kernels", [True, False], ids=["c", "torch"])
+def test_torch_backend_matches_reference(monkeypatch, q_lens, ctx_lens, hq, hkv, c_kernels):
+    if c_kernels and not cpu_kernels.supports(torch.float32, "cpu"):
+        pytest.skip("no C compiler: the CPU kernels fall back to torch")
     monkeypatch.setattr(decode_mod, "CHUNK_BYTES", 2048)        # force many small chunks
     meta, cache, qkv = make_case(q_lens, ctx_lens, hq, hkv)
     scale = 0.25
     want = reference(meta, cache, qkv, scale)
     k_cache, v_cache = (c.clone() for c in cache)
-    backend = TorchAttention()
+    backend = TorchAttention(c_kernels=c_kernels)
     got = backend.forward(*qkv, k_cache, v_cache, meta, scale)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     again = backend.forward(*qkv, k_cache, v_cache, meta, scale)   # second layer: cached split
@@ -66,3 +70,21 @@ def test_decode_plan_chunks_longest_first(monkeypatch):
     # 9 tokens -> 3 blocks (12 slots): 1 per chunk; 5 -> 2 blocks (8 slots): 2 per chunk; 1 -> rest
     assert plan.chunks == [(0, 1, 3), (1, 3, 2), (3, 4, 1)]
     assert plan.neg_mask[3].tolist()[:2] == [0.0, float("-inf")]
+
+
+@pytest.mark.skipif(not cpu_kernels.supports(torch.bfloat16, "cpu"), reason="no C compiler")
+def test_c_kernels_bf16_cache_and_skipped_slots():
+    """bf16 pool (K/V read as bf16, math in fp32) and slot -1 rows, against the reference."""
+    meta, cache, qkv = make_case([1, 1, 3, 1], [7, 19, 3, 1], 6, 2, d=32, seed=3)
+    meta.slot_mapping[2] = -1                                   # one prefill token is not stored
+    cache = [c.to(torch.bfloat16) for c in cache]
+    qkv = [x.to(torch.bfloat16) for x in qkv]
+    want = reference(meta, cache, qkv, 0.2)
+    k_cache, v_cache = (c.clone() for c in cache)
+    got = TorchAttention(c_kernels=True).forward(*qkv, k_cache, v_cache, meta, 0.2)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    want_k = cache[0].clone()
+    store_kv_cache_ref(key=qkv[1], value=qkv[2], k_cache=want_k, v_cache=cache[1].clone(),
+                       slot_mapping=meta.slot_mapping)
+    assert torch.equal(k_cache, want_k)
