@@ -6,6 +6,16 @@ from dataclasses import dataclass, field
 from backend.errors import EngineError
 
 
+class Stop:
+    """The one sentinel that ends every queue-draining thread (engine intake, responses, metrics)."""
+
+    def __repr__(self) -> str:
+        return "STOP"
+
+
+STOP = Stop()
+
+
 @dataclass
 class TokenLogprob:
     token_id: int

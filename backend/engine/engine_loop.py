@@ -27,7 +27,7 @@ from backend.engine.admission import check_queue, duplicate_id, validate_request
 from backend.engine.llm_engine import LLMEngine
 from backend.engine.stats import EngineStats
 from backend.errors import EngineError, internal, unavailable
-from backend.outputs import StepDelta
+from backend.outputs import STOP, StepDelta
 from backend.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -51,8 +51,6 @@ class AbortRequest:
     request_id: str
     freed: Future            # resolves to the time.monotonic() instant the blocks were freed, or None
 
-
-STOP = object()
 
 
 @dataclass(slots=True)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from backend.errors import EngineError
+from backend.outputs import STOP, Stop  # noqa: F401  (the one stop sentinel, shared with the engine loop)
 from backend.outputs import StepDelta
 
 
@@ -84,11 +85,4 @@ class ControlAnswered:
     freed: Future
 
 
-class _Stop:
-    def __repr__(self) -> str:
-        return "STOP"
-
-
-STOP = _Stop()
-
-Message = Opened | Rejected | DeltaArrived | ControlAnswered | _Stop
+Message = Opened | Rejected | DeltaArrived | ControlAnswered | Stop
