@@ -141,6 +141,10 @@ class EngineLoop:
                     deltas = engine.step()
                     self._publish()            # before the sinks, which may take their time
                     self._dispatch(deltas)
+                    if not engine.has_unfinished():
+                        # Idle now: audit the allocator (cheap, O(blocks)); a broken invariant
+                        # stops the loop unhealthy instead of serving from a corrupt pool.
+                        engine.kv.check_integrity()
         except BaseException as exc:        # noqa: BLE001 - the loop must report every failure
             self._fail(internal(f"engine step failed: {type(exc).__name__}: {exc}"))
 

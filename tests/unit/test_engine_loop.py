@@ -164,3 +164,36 @@ def test_submit_never_reads_engine_state_off_the_engine_thread():
         gate.set()
         loop.shutdown(drain=True, timeout=30)
     assert spy.threads == {"engine-loop"}
+
+
+def test_idle_audit_stops_a_loop_whose_allocator_broke():
+    """When the engine goes idle the loop runs the KV manager's integrity check; a corrupted pool
+    (here: a leaked reference) turns the loop unhealthy instead of serving from it."""
+    loop = make_loop()
+    try:
+        q = queue.Queue()
+        loop.submit("a", P, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), sink=q)
+        collect(q)
+        assert loop.healthy
+        kv = loop.engine.kv
+        calls = []
+        real = kv.check_integrity
+
+        def leak_then_check():
+            calls.append(1)
+            kv.pool.blocks[0].ref_cnt += 1          # a reference no table holds
+            real()
+
+        kv.check_integrity = leak_then_check
+        q2 = queue.Queue()
+        loop.submit("b", P[:5], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), sink=q2)
+        collect(q2)
+        deadline = time.monotonic() + 10
+        while loop.healthy and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert calls and not loop.healthy
+        with pytest.raises(EngineError) as exc:
+            loop.submit("c", P[:5], SamplingParams(max_tokens=2), sink=queue.Queue())
+        assert exc.value.kind is ErrorKind.UNAVAILABLE
+    finally:
+        loop.shutdown(drain=False)
