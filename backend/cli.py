@@ -43,9 +43,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     if args.model is None:
         args.model = str(ensure_default_model())
-    if not any(o.split("=", 1)[0].strip() in ("kv_cache_memory", "num_kv_blocks") for o in args.engine_option):
-        args.engine_option.append(f"kv_cache_memory={SERVE_KV_CACHE_MEMORY}")
+    args.engine_option = serve_engine_options(args.engine_option)
     return serve_main(args)
+
+
+def serve_engine_options(options: list[str]) -> list[str]:
+    """The user's KEY=VALUE engine options plus serve's KV budget when they set none."""
+    if any(o.split("=", 1)[0].strip() in ("kv_cache_memory", "num_kv_blocks") for o in options):
+        return list(options)
+    return [*options, f"kv_cache_memory={SERVE_KV_CACHE_MEMORY}"]
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:

@@ -48,3 +48,11 @@ def test_a_directory_without_the_marker_is_replaced(cache, tmp_path):
     assert default_model.is_ready(out)
     assert (out / default_model.MARKER).read_text().strip() == default_model.SOURCE
     assert "add_bos_token" in (out / "tokenizer_config.json").read_text()   # the importer's, not the preset's
+
+
+def test_serve_gives_the_kv_pool_its_budget_unless_told_otherwise():
+    from backend.cli import SERVE_KV_CACHE_MEMORY, serve_engine_options
+
+    assert serve_engine_options(["dtype=bfloat16"]) == ["dtype=bfloat16", f"kv_cache_memory={SERVE_KV_CACHE_MEMORY}"]
+    assert serve_engine_options(["num_kv_blocks=64"]) == ["num_kv_blocks=64"]
+    assert serve_engine_options(["kv_cache_memory=1000"]) == ["kv_cache_memory=1000"]
