@@ -9,6 +9,7 @@ Contract with the scheduler (vLLM v1 style: opaque, all-or-nothing):
     mgr.commit(seq_id, token_ids, num_computed)       # cache blocks that became full
     mgr.fork(parent_id, child_id)                     # n > 1: share every block (ref + 1)
     mgr.free(seq_id)                                  # finish / abort / preempt
+    mgr.truncate(seq_id, num_tokens)                  # rejected draft tokens: drop tail blocks
 
 Call ``commit`` after every step even with prefix caching off: it also records how many tokens
 have KV, which tells ``allocate_slots`` which shared blocks are about to be written (CoW).
@@ -219,6 +220,16 @@ class KVCacheManager:
         # (a head block is worth more: every longer prefix needs it).
         for block in reversed(seq.blocks):
             self.pool.release(block)
+
+    def truncate(self, seq_id: str, num_tokens: int) -> None:
+        """Speculative decoding rolled back: keep the blocks covering ``num_tokens`` tokens and
+        release the rest (tail first). Only blocks past every committed (hashed) block go."""
+        seq = self._get(seq_id)
+        keep = -(-num_tokens // self._block_size)
+        assert keep >= seq.num_hashed, f"truncate({seq_id!r}) would drop committed blocks"
+        while len(seq.blocks) > keep:
+            self.pool.release(seq.blocks.pop())
+        seq.num_computed = min(seq.num_computed, num_tokens)
 
     def block_table(self, seq_id: str) -> list[int]:
         return [b.block_id for b in self._get(seq_id).blocks]
