@@ -22,11 +22,35 @@ from backend.model.llama import LlamaForCausalLM, RotaryEmbedding
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _FUSED = re.compile(r"^(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
+# CPU flags that make bf16 matmuls pay (oneDNN's AMX tiles or AVX-512 bf16 dot products). On
+# AVX2-only CPUs bf16 GEMMs convert to fp32 internally and run slower than fp32 ones.
+BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 
 
-def parse_dtype(name: str) -> torch.dtype:
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return set()
+
+
+def auto_dtype(device: str | torch.device = "cpu", flags: set[str] | None = None) -> str:
+    """``dtype=auto``: bfloat16 on CUDA and on CPUs with AMX-BF16 or AVX512-BF16, else float32."""
+    if torch.device(device).type == "cuda":
+        return "bfloat16"
+    flags = cpu_flags() if flags is None else flags
+    return "bfloat16" if any(f in flags for f in BF16_CPU_FLAGS) else "float32"
+
+
+def parse_dtype(name: str, device: str | torch.device = "cpu") -> torch.dtype:
+    if name == "auto":
+        name = auto_dtype(device)
     if name not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)} (got {name!r})")
+        raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)} (got {name!r})")
     return DTYPES[name]
 
 

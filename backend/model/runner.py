@@ -50,7 +50,7 @@ class ModelRunner:
             torch.set_num_threads(args.num_threads)
         self.args = args
         self.device = torch.device(args.device)
-        self.dtype = parse_dtype(args.dtype)
+        self.dtype = parse_dtype(args.dtype, self.device)
         self.config = cfg = load_model_config(model_dir)
         max_len = model_max_len(cfg, args)
         self.model = load_model(model_dir, cfg, dtype=self.dtype, device=self.device, max_positions=max_len)

@@ -47,12 +47,13 @@ def reference(meta, cache, qkv, scale):
     ([5, 2], [5, 14]),                                               # prefill only
 ])
 @pytest.mark.parametrize("hq, hkv", [(4, 4), (6, 2)])
-@pytest.mark.parametrize("c_kernels", [True, False], ids=["c", "torch"])
-def test_torch_backend_matches_reference(monkeypatch, q_lens, ctx_lens, hq, hkv, c_kernels):
+@pytest.mark.parametrize("c_kernels, d", [(True, 16), (True, 48), (False, 16)], ids=["c-d16", "c-d48", "torch"])
+def test_torch_backend_matches_reference(monkeypatch, q_lens, ctx_lens, hq, hkv, c_kernels, d):
+    """d=48: the C kernel's vector path (D a multiple of 8); d=16 its plain loops."""
     if c_kernels and not cpu_kernels.supports(torch.float32, "cpu"):
         pytest.skip("no C compiler: the CPU kernels fall back to torch")
     monkeypatch.setattr(decode_mod, "CHUNK_BYTES", 2048)        # force many small chunks
-    meta, cache, qkv = make_case(q_lens, ctx_lens, hq, hkv)
+    meta, cache, qkv = make_case(q_lens, ctx_lens, hq, hkv, d=d)
     scale = 0.25
     want = reference(meta, cache, qkv, scale)
     k_cache, v_cache = (c.clone() for c in cache)
