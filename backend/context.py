@@ -38,7 +38,7 @@ def num_kv_blocks(cfg, args: EngineArgs) -> int:
 
     per_block = KVCacheStorage.bytes_per_block(num_layers=cfg.num_layers, block_size=args.block_size,
                                                num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                                               dtype=parse_dtype(args.dtype))
+                                               dtype=parse_dtype(args.dtype, args.device))
     return args.kv_cache_memory // per_block
 
 
