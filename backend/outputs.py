@@ -49,6 +49,11 @@ class StepDelta:
     cached_tokens: int = 0
     queue_time: float = 0.0                 # seconds from arrival to first schedule
     num_preemptions: int = 0
+    # speculative decoding, cumulative for the choice: drafts verified / accepted, and the steps
+    # that verified drafts (accepted tokens per step = spec_accepted_tokens / spec_steps)
+    spec_drafted_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_steps: int = 0
 
 
 @dataclass

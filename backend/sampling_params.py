@@ -32,6 +32,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None          # number of top logprobs per token (0 = only the chosen)
     skip_special_tokens: bool = True
+    speculative: bool = True             # False: this request never carries draft tokens (opt-out)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -7,6 +7,12 @@ Sequences go back to back; each contributes its chunk of new tokens::
     logits rows   only for sequences whose chunk reaches their last known token (they sample):
                   cu_seqlens_q[i + 1] - 1   (the scheduler's SchedulerOutput.sampling, in order)
 
+A decoding sequence with k draft tokens (speculative decoding) contributes its last token plus
+the drafts, and every one of those k + 1 rows gets logits (the target's distribution after each
+prefix of the drafts, which verification compares against)::
+
+    input_ids     [ t_last d0 d1 d2 ]    logits rows  4 (all of them)
+
 The index arithmetic (positions, slots, padded block tables) is backend/model/batch_builder.py's.
 """
 from __future__ import annotations
@@ -24,6 +30,11 @@ def build_batch(scheduled: list[tuple[Sequence, int]], kv, device: str | torch.d
     for seq, num_new in scheduled:
         start = seq.num_computed_tokens
         end = start + num_new
+        if seq.spec_token_ids:
+            assert start == seq.num_tokens - 1 and num_new == 1 + len(seq.spec_token_ids), "drafts only on a decode"
+            chunks.append(SeqChunk(seq.token_ids[start:] + seq.spec_token_ids, start,
+                                   kv.block_table(seq.seq_id), all_logits=True))
+            continue
         chunks.append(SeqChunk(seq.token_ids[start:end], start, kv.block_table(seq.seq_id),
                                logits=end == seq.num_tokens))
     return build_chunks(chunks, kv.block_size, device)

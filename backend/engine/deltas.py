@@ -28,7 +28,8 @@ def make_delta(seq: Sequence, stop_checker: StopChecker) -> StepDelta | None:
         logprobs=seq.logprobs[seq.num_sent:end] if seq.logprobs else [],
         prompt_tokens=seq.num_prompt_tokens, completion_tokens=seq.num_output_tokens,
         cached_tokens=req.num_cached_tokens, queue_time=req.queue_time,
-        num_preemptions=seq.num_preemptions)
+        num_preemptions=seq.num_preemptions, spec_drafted_tokens=seq.num_drafted,
+        spec_accepted_tokens=seq.num_accepted, spec_steps=seq.num_spec_steps)
     seq.num_sent = end
     return delta
 

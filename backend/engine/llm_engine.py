@@ -1,4 +1,5 @@
-"""LLMEngine: the step API. One step = schedule -> run the model -> sample -> update -> deltas.
+"""LLMEngine: the step API. One step = (propose drafts) -> schedule -> run the model -> sample
+(or verify drafts) -> update -> deltas.
 
 Single-threaded by design: EngineLoop (engine_loop.py) owns it on one thread; the offline LLM
 drives it directly. Admission rules live in admission.py (pure, any thread), what happens after
@@ -24,6 +25,9 @@ from backend.engine.stop_checker import StopChecker
 from backend.errors import EngineError, ErrorKind, deadline_exceeded
 from backend.outputs import StepDelta
 from backend.sampling_params import SamplingParams
+from backend.spec.config import SpeculativeConfig
+from backend.spec.speculator import make_speculator
+from backend.spec.verify import verify
 
 
 class LLMEngine:
@@ -59,6 +63,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, max_num_seqs=args.max_num_seqs, stop_checker=self.stop_checker,
                                    max_num_batched_tokens=args.max_num_batched_tokens)
         self.sampler = Sampler(info.vocab_size, self.eos_token_ids, seed=args.seed)
+        self.speculator = make_speculator(SpeculativeConfig.parse(args.speculative_config), args=args,
+                                          runner=runner, max_model_len=self.max_model_len)
         self.device = args.device
         self.stats_recorder = StatsRecorder()
         self._finals: list[StepDelta] = []      # finals of aborts/expiries, returned by step()
@@ -108,14 +114,21 @@ class LLMEngine:
         """One iteration of continuous batching; returns every choice's delta (finals included)."""
         self._expire_deadlines()
         deltas, self._finals = self._finals, []
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)     # draft tokens for this step
         out = self.scheduler.schedule()
         self.stats_recorder.record_schedule(out)
         if out.scheduled:
             logits = self.runner.execute(build_batch(out.scheduled, self.kv, self.device))
-            tokens, logprobs = self.sampler(logits, out.sampling, rows=out.logit_rows)
+            if out.num_drafts:
+                tokens, logprobs = verify(self.sampler, logits, out.sampling, out.logit_rows)
+            else:
+                tokens, logprobs = self.sampler(logits, out.sampling, rows=out.logit_rows)
             outcome = self.scheduler.update_from_output(out, tokens, logprobs)
             self.stats_recorder.record_step(outcome)
             deltas += make_deltas(outcome.sampled, self.stop_checker)
+        if self.speculator is not None:
+            self.speculator.release(self.scheduler.running)     # drafts' state of ended sequences
         return deltas
 
     # -- ending requests early -------------------------------------------------------------
@@ -123,6 +136,8 @@ class LLMEngine:
         """Abort / expire / fail a request's open choices; their finals go to the next step()."""
         done = self.scheduler.finish_request(req, reason, error)
         self.stats_recorder.record_finished(done)
+        if self.speculator is not None:
+            self.speculator.release(self.scheduler.running)
         self._finals += make_deltas(done, self.stop_checker)
 
     def _expire_deadlines(self) -> None:
@@ -142,4 +157,7 @@ class LLMEngine:
         return deltas
 
     def stats(self) -> EngineStats:
-        return self.stats_recorder.snapshot(self.scheduler, self.kv)
+        stats = self.stats_recorder.snapshot(self.scheduler, self.kv)
+        if self.speculator is not None:
+            stats.spec_method = self.speculator.method
+        return stats

@@ -46,15 +46,14 @@ class Sampler:
             return self._greedy(logits, seqs), [None] * len(seqs)
         want_lp = any(p.logprobs is not None for p in params)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_lp else None
-        logits = self._penalize(logits, seqs)
-        logits = self._mask_min_tokens(logits, seqs)
+        logits = self.processed(logits, seqs)
         greedy = [p.temperature == 0.0 for p in params]
         if all(greedy):
             tokens = logits.argmax(dim=-1)
         else:
             tokens = self._sample(logits, seqs, greedy)
         token_list = tokens.tolist()
-        logprobs = self._logprobs(raw_logprobs, tokens, params) if want_lp else [None] * len(seqs)
+        logprobs = self.logprobs(raw_logprobs, tokens, params) if want_lp else [None] * len(seqs)
         return token_list, logprobs
 
     def _greedy(self, logits: torch.Tensor, seqs: list) -> list[int]:
@@ -109,7 +108,13 @@ class Sampler:
         return [t for t in (*self.eos_token_ids, *p.stop_token_ids) if t < vocab]
 
     # -- sampling --------------------------------------------------------------------------
-    def _sample(self, logits: torch.Tensor, seqs: list, greedy: list[bool]) -> torch.Tensor:
+    def processed(self, logits: torch.Tensor, seqs: list) -> torch.Tensor:
+        """Penalties, then the min_tokens mask: the logits greedy takes its argmax of."""
+        return self._mask_min_tokens(self._penalize(logits, seqs), seqs)
+
+    def probs(self, logits: torch.Tensor, seqs: list) -> torch.Tensor:
+        """The distribution a sampled row draws from: processed logits -> temperature -> min-p
+        -> top-k -> top-p -> softmax (speculative verification compares drafts against it)."""
         device = logits.device
         params = [s.params for s in seqs]
         temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
@@ -122,7 +127,20 @@ class Sampler:
             x = x.masked_fill(probs < thresh, float("-inf"))
         if any(0 < p.top_k < x.shape[1] or p.top_p < 1.0 for p in params):
             x = self._top_k_top_p(x, params)
-        probs = torch.softmax(x, dim=-1)
+        return torch.softmax(x, dim=-1)
+
+    def race(self, probs: torch.Tensor, generator: torch.Generator | None) -> int:
+        """One draw from a [V] distribution by the exponential race, consuming exactly what one
+        sampled row of ``__call__`` consumes from ``generator`` (or the sampler's own)."""
+        q = torch.empty(probs.shape[0]).exponential_(generator=generator or self.generator)
+        return int((probs / q.to(probs.device).clamp_min_(1e-20)).argmax())
+
+    def uniform(self, generator: torch.Generator | None) -> float:
+        return float(torch.rand(1, generator=generator or self.generator))
+
+    def _sample(self, logits: torch.Tensor, seqs: list, greedy: list[bool]) -> torch.Tensor:
+        device = logits.device
+        probs = self.probs(logits, seqs)
         q = torch.empty_like(probs)
         seeded = [i for i, s in enumerate(seqs) if s.generator is not None]
         if len(seeded) < len(seqs):
@@ -152,7 +170,7 @@ class Sampler:
         return torch.empty_like(x).scatter_(1, idx, sorted_x)
 
     @staticmethod
-    def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, params: list) -> list[TokenLogprob | None]:
+    def logprobs(raw: torch.Tensor, tokens: torch.Tensor, params: list) -> list[TokenLogprob | None]:
         chosen = raw.gather(1, tokens[:, None]).squeeze(1).tolist()
         k = max(p.logprobs or 0 for p in params)
         top_vals = top_ids = None

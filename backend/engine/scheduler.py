@@ -43,6 +43,7 @@ class SchedulerOutput:
     sampling: list[Sequence] = field(default_factory=list)
     logit_rows: list[int] | None = None
     forks: list[Sequence] = field(default_factory=list)         # new choices, registered in update
+    num_drafts: int = 0        # draft tokens to verify this step (their sequences' spec_token_ids)
 
 
 @dataclass
@@ -52,6 +53,9 @@ class StepOutcome:
     finished: list[Sequence] = field(default_factory=list)
     computed_tokens: int = 0
     recomputed_tokens: int = 0          # computed again after a preemption
+    generated_tokens: int = 0           # tokens appended (accepted drafts included)
+    drafted_tokens: int = 0             # draft tokens verified
+    accepted_tokens: int = 0            # of those, accepted
 
 
 class Scheduler:
@@ -127,6 +131,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         del self.running[seq]
+        seq.spec_token_ids, seq.spec_probs = [], None
         self.kv.free(seq.seq_id)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
@@ -145,7 +150,10 @@ class Scheduler:
         while lo < hi and budget > 0:
             seq = order[lo]
             lo += 1
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = self._num_new_with_drafts(seq, budget)
+            if seq.spec_token_ids and not self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens + num_new):
+                seq.spec_token_ids, seq.spec_probs = [], None     # drafts never cost a preemption
+                num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens + num_new):
                 if lo < hi:
                     hi -= 1
@@ -158,11 +166,26 @@ class Scheduler:
                 break
             out.scheduled.append((seq, num_new))
             budget -= num_new
+        for seq in order[lo:hi]:            # not scheduled this step: their drafts are stale
+            seq.spec_token_ids, seq.spec_probs = [], None
         if not out.preempted:
             budget = self._admit_waiting(out, budget)
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         self._plan_sampling(out)
         return out
+
+    @staticmethod
+    def _num_new_with_drafts(seq: Sequence, budget: int) -> int:
+        """Tokens to compute for a running sequence, its draft tokens included; drafts that do
+        not fit the budget are dropped (a draft run is only useful as a prefix)."""
+        missing = seq.num_tokens - seq.num_computed_tokens
+        num_new = min(missing + len(seq.spec_token_ids), budget)
+        keep = max(0, num_new - missing)
+        if keep < len(seq.spec_token_ids):
+            seq.spec_token_ids = seq.spec_token_ids[:keep]
+            if seq.spec_probs is not None:
+                seq.spec_probs = seq.spec_probs[:keep] if keep else None
+        return num_new
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         now = time.monotonic()
@@ -219,13 +242,18 @@ class Scheduler:
 
     @staticmethod
     def _plan_sampling(out: SchedulerOutput) -> None:
-        """A chunk that reaches its sequence's last token yields one logits row (batch.py). An
-        unforked n > 1 request samples all its choices from that row: the prompt is shared."""
+        """A chunk that reaches its sequence's last token yields one logits row (batch.py), or
+        k + 1 rows when it carries k draft tokens (``logit_rows`` then names each sequence's
+        first row). An unforked n > 1 request samples all its choices from its one row: the
+        prompt is shared."""
         rows: list[int] = []
+        next_row = 0
         for seq, num_new in out.scheduled:
-            if seq.num_computed_tokens + num_new < seq.num_tokens:
+            if seq.num_computed_tokens + num_new < seq.num_tokens + len(seq.spec_token_ids):
                 continue
-            row = len(out.sampling) - len(out.forks)
+            row = next_row
+            next_row += 1 + len(seq.spec_token_ids)
+            out.num_drafts += len(seq.spec_token_ids)
             out.sampling.append(seq)
             rows.append(row)
             req = seq.request
@@ -235,17 +263,22 @@ class Scheduler:
                     out.forks.append(child)
                     out.sampling.append(child)
                     rows.append(row)
-        out.logit_rows = rows if out.forks else None
+        out.logit_rows = rows if out.forks or out.num_drafts else None
 
     # -- after the step --------------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, tokens: list[int], logprobs: list) -> StepOutcome:
+    def update_from_output(self, out: SchedulerOutput, tokens: list, logprobs: list) -> StepOutcome:
         """The model ran ``out`` and the sampler drew ``tokens`` for ``out.sampling``: advance
-        KV progress, register new choices, append tokens, stop and finish."""
+        KV progress, register new choices, append tokens, stop and finish.
+
+        ``tokens[i]`` is one token id, or for a sequence that verified drafts the list of its
+        accepted drafts plus one sampled token (``logprobs[i]`` then a list as long)."""
         outcome = StepOutcome(sampled=out.sampling)
         for seq, num_new in out.scheduled:
+            outcome.computed_tokens += num_new
+            if seq.spec_token_ids:
+                continue                   # KV progress known once verified (_append_run)
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
             seq.num_computed_tokens = end
-            outcome.computed_tokens += num_new
             outcome.recomputed_tokens += max(0, min(seq.high_water, end) - start)
             seq.high_water = max(seq.high_water, end)
             self.kv.commit(seq.seq_id, seq.token_ids, end)
@@ -262,13 +295,45 @@ class Scheduler:
             req = seq.request
             if req.first_token_time is None:
                 req.first_token_time = now
-            seq.token_ids.append(token)
-            if lp is not None:
-                seq.logprobs.append(lp)
-            self.stop_checker.check(seq, token)
+            if isinstance(token, list):
+                self._append_run(seq, token, lp, outcome)
+            else:
+                self._append(seq, token, lp)
+                outcome.generated_tokens += 1
             if seq.finish_reason is not None:
                 self.finish(seq)
                 outcome.finished.append(seq)
                 if req.finished:
                     self._close(req)
         return outcome
+
+    def _append(self, seq: Sequence, token: int, lp) -> None:
+        seq.token_ids.append(token)
+        if lp is not None:
+            seq.logprobs.append(lp)
+        self.stop_checker.check(seq, token)
+
+    def _append_run(self, seq: Sequence, run: list[int], lps: list, outcome: StepOutcome) -> None:
+        """Append a verified run token by token, stopping exactly where a stop condition hits
+        (the rest of the run is dropped). KV of the rejected drafts is rolled back: the computed
+        count covers the old tokens plus the accepted drafts, blocks past the new length are
+        freed, and only full blocks of accepted tokens are committed to the prefix cache."""
+        drafts = seq.spec_token_ids
+        base = seq.num_tokens
+        valid = base + len(run) - 1                    # KV written for old tokens + accepted drafts
+        seq.num_spec_steps += 1
+        seq.num_drafted += len(drafts)
+        seq.num_accepted += len(run) - 1
+        outcome.drafted_tokens += len(drafts)
+        outcome.accepted_tokens += len(run) - 1
+        seq.spec_token_ids, seq.spec_probs = [], None
+        for token, lp in zip(run, lps):
+            self._append(seq, token, lp)
+            outcome.generated_tokens += 1
+            if seq.finish_reason is not None:
+                break
+        seq.num_computed_tokens = min(valid, seq.num_tokens - 1)
+        seq.high_water = max(seq.high_water, seq.num_computed_tokens)
+        if seq.finish_reason is None:
+            self.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            self.kv.truncate(seq.seq_id, seq.num_tokens)

@@ -15,6 +15,10 @@ Token bookkeeping of one sequence::
                   ^0            ^num_sent     ^num_ready      ^num_output_tokens
     sent = streamed in a delta; ready = known not to begin a stop string; held = could still
     turn out to be (part of) a stop string, so not streamed yet.
+
+With speculative decoding a decoding sequence (num_computed_tokens == num_tokens - 1) may carry
+k draft tokens for one step; the step computes  token_ids[-1] + drafts  (k + 1 query rows) and
+appends the accepted drafts plus one sampled token, so num_computed_tokens == num_tokens - 1 again.
 """
 from __future__ import annotations
 
@@ -96,6 +100,14 @@ class Sequence:
         self.error: EngineError | None = None    # why the engine ended it (abort / error only)
         self.stop_at = -1          # char offset of a matched stop string in the ready..end text
         self.cut_last_token = False  # finished on a stop token whose text must not be shown
+        # Speculative decoding (backend/spec): this step's draft tokens, appended after token_ids
+        # as extra query tokens, and the distribution each was drawn from ([k, V]; None = a
+        # deterministic proposal). Set before schedule(), cleared once verified.
+        self.spec_token_ids: list[int] = []
+        self.spec_probs = None
+        self.num_drafted = 0       # draft tokens verified for this choice (all steps)
+        self.num_accepted = 0      # of those, accepted
+        self.num_spec_steps = 0    # steps that verified drafts for this choice
 
     def __lt__(self, other: "Sequence") -> bool:     # heap order: priority, then arrival
         return self.sort_key < other.sort_key

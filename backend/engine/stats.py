@@ -36,10 +36,19 @@ class EngineStats:
     num_deadline_exceeded: int = 0
     num_rejected: int = 0             # queue_full at admission
     finished: dict[str, int] = field(default_factory=dict)   # choices by finish reason
+    # speculative decoding (backend/spec); spec_method "" = off
+    spec_method: str = ""
+    spec_drafted_tokens: int = 0      # draft tokens verified
+    spec_accepted_tokens: int = 0     # of those, accepted
+    spec_num_drafts: int = 0          # (sequence, step) pairs that verified drafts
 
     @property
     def useful_tokens(self) -> int:
         return self.computed_tokens - self.recomputed_tokens
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_accepted_tokens / self.spec_drafted_tokens if self.spec_drafted_tokens else 0.0
 
 
 class StatsRecorder:
@@ -51,6 +60,7 @@ class StatsRecorder:
     def record_schedule(self, out: "SchedulerOutput") -> None:
         c = self.counters
         c.num_steps += 1
+        c.spec_num_drafts += sum(1 for s in out.sampling if s.spec_token_ids)
         for req in out.new_requests:
             c.prompt_tokens += len(req.prompt_token_ids)
             c.cached_prompt_tokens += req.num_cached_tokens
@@ -59,7 +69,9 @@ class StatsRecorder:
         c = self.counters
         c.computed_tokens += outcome.computed_tokens
         c.recomputed_tokens += outcome.recomputed_tokens
-        c.generation_tokens += len(outcome.sampled)
+        c.generation_tokens += outcome.generated_tokens
+        c.spec_drafted_tokens += outcome.drafted_tokens
+        c.spec_accepted_tokens += outcome.accepted_tokens
         self.record_finished(outcome.finished)
 
     def record_rejected(self) -> None:
