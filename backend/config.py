@@ -25,6 +25,11 @@ class EngineArgs:
     num_threads: int | None = None                # torch intra-op threads on CPU
     stream_interval: float = 0.0                  # serving: seconds the response thread gathers a
                                                   # stream's tokens into one response (0 = each step)
+    speculative_config: str | dict | None = None  # vLLM's spelling, JSON text or a dict (backend/spec/config.py)
+
+    def __post_init__(self) -> None:
+        from backend.spec.config import SpeculativeConfig
+        SpeculativeConfig.parse(self.speculative_config)     # a bad value fails where it is given
 
     @classmethod
     def from_dict(cls, d: dict) -> "EngineArgs":
