@@ -17,6 +17,15 @@ import json
 import time
 from dataclasses import dataclass, field
 
+try:        # orjson: ~10x faster than json.dumps per chunk (0.5 vs 5 us), and the shim encodes one per streamed token
+    import orjson
+
+    def dumps(body: dict) -> str:
+        return orjson.dumps(body).decode()
+except ImportError:             # pragma: no cover - requirements.txt pins orjson
+    def dumps(body: dict) -> str:
+        return json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+
 from client.triton_client import Chunk
 
 
@@ -132,7 +141,7 @@ class Tally:
         if self.include_usage:
             body["usage"] = None
         body.update(extra)
-        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+        return f"data: {dumps(body)}\n\n"
 
     def start_events(self) -> list[str]:
         if not self.chat:
