@@ -35,6 +35,7 @@ log = logging.getLogger("triton_llm.client")
 ENSEMBLE = P.ENSEMBLE
 ENGINE = P.ENGINE
 ABORT_TIMEOUT = 10.0
+INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 
 __all__ = ["Chunk", "TritonLLMClient", "TritonLLMError", "InvalidRequestError", "QueueFullError",
            "UnavailableError", "InternalError", "AbortedError", "to_parameters"]
@@ -58,7 +59,8 @@ class Chunk:
 
 
 def to_parameters(params: dict | None) -> dict:
-    """Python values -> Triton request parameters (str/int/float/bool; lists and dicts as JSON)."""
+    """Python values -> Triton request parameters (str/int/float/bool; lists and dicts as JSON).
+    An integer outside int64 is an InvalidRequestError naming it."""
     out: dict[str, Any] = {}
     for key, value in (params or {}).items():
         if value is None:
@@ -73,6 +75,10 @@ def to_parameters(params: dict | None) -> dict:
             value = value.item()
         if not isinstance(value, (str, bool, int, float)):
             raise ValueError(f"request parameter {key!r} has unsupported type {type(value).__name__}")
+        if isinstance(value, int) and not isinstance(value, bool) and not INT64_MIN <= value <= INT64_MAX:
+            # the gRPC message carries int64; past it protobuf raises a bare ValueError (a 500)
+            raise InvalidRequestError(f"{key} must fit in a signed 64-bit integer, got {value}",
+                                      param=key)
         out[key] = value
     return out
 

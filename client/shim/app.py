@@ -22,8 +22,10 @@ from client.shim.auth import KeyStore
 from client.shim.errors import from_llm_error, install_handlers
 from client.shim.format import Tally
 from client.shim.generation import collect, merged
+from client.shim.limits import BodyLimit
 from client.shim.routes import router
 from client.shim.settings import ShimSettings, load_keys
+from client.shim.tenants import InFlight
 
 log = logging.getLogger("triton_llm.shim")
 
@@ -54,6 +56,7 @@ def create_app(settings: ShimSettings | None = None, *, client=None) -> FastAPI:
     app.state.settings = settings
     app.state.client = client
     app.state.keys = keys
+    app.state.in_flight = InFlight()            # open generation requests per key (max_concurrent)
     app.state.created = int(time.time())
     app.state.authenticate = keys.authenticate
 
@@ -74,6 +77,7 @@ def create_app(settings: ShimSettings | None = None, *, client=None) -> FastAPI:
 
     app.state.complete = complete
     install_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)   # 413 before parsing or auth
     app.include_router(router)
     try:
         import client.chat as chat_page

@@ -70,8 +70,14 @@ def from_llm_error(exc: TritonLLMError, param_names: dict[str, str] | None = Non
 
 
 def _validation_param(loc) -> str | None:
-    parts = [str(p) for p in loc if p != "body"]
+    """``("body", "messages", 0, "role")`` -> ``messages.0.role``; pydantic's union-member tags
+    (``str``, ``list[str]``, ``function-after[...]``) are not fields and are left out."""
+    parts = [str(p) for p in loc if p != "body" and (isinstance(p, int) or _is_field(p))]
     return ".".join(parts) or None
+
+
+def _is_field(part) -> bool:
+    return str(part).isidentifier() and str(part) not in ("str", "int", "float", "bool", "list", "dict")
 
 
 def install_handlers(app: FastAPI) -> None:

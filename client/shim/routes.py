@@ -9,14 +9,18 @@ import logging
 import uuid
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
+from backend import protocol as P
 from client.errors import InternalError, TritonLLMError, UnavailableError
 from client.shim.errors import from_llm_error, model_not_found, not_ready
 from client.shim.format import Tally
 from client.shim.generation import ClientDisconnected, collect, merged, until_disconnect
+from client.shim.limits import check_prompt_chars
 from client.shim.schemas import ChatCompletionRequest, CompletionRequest
 from client.shim.settings import context_window_of
+from client.shim.streaming import BoundedSSE
+from client.shim.tenants import KeyPolicy, Slot, effective_priority
 
 log = logging.getLogger("triton_llm.shim")
 router = APIRouter()
@@ -27,9 +31,9 @@ def _state(request: Request):
     return request.app.state
 
 
-def authenticated(request: Request) -> str:
-    """The caller's tenant; a dependency, so a bad key is a 401 before the body is validated."""
-    return _state(request).authenticate(request)
+def authenticated(request: Request) -> KeyPolicy:
+    """The caller's key policy; a dependency, so a bad key is a 401 before the body is validated."""
+    return _state(request).keys.identify(request)
 
 
 def _check_model(request: Request, model: str) -> None:
@@ -37,31 +41,52 @@ def _check_model(request: Request, model: str) -> None:
         raise model_not_found(model)
 
 
-def _with_tenant(request: Request, params: dict, tenant: str) -> dict:
-    if not _state(request).settings.allow_shared_prefix and tenant:
-        params["tenant"] = tenant
+async def _check_prompt(request: Request, chars: int, param: str) -> None:
+    """A prompt far longer than the context window is a 400 before the server tokenizes it."""
+    settings = _state(request).settings
+    if chars <= settings.prompt_chars_per_token * 64:      # shorter than any window could reject
+        return
+    try:
+        window = await context_window_of(request.app).get()
+    except TritonLLMError:
+        return                                          # the server cannot say: it checks itself
+    check_prompt_chars(chars, window, settings.prompt_chars_per_token, param)
+
+
+def _params(request: Request, body, key: KeyPolicy) -> dict:
+    params = body.params()
+    params.pop("priority", None)
+    priority = effective_priority(key, body.priority)
+    if priority:
+        params["priority"] = priority                   # sent as request_priority
+    if not _state(request).settings.allow_shared_prefix and key.tenant:
+        params[P.TENANT] = key.tenant
     return params
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request,
-                           tenant: str = Depends(authenticated)):
+                           key: KeyPolicy = Depends(authenticated)):
     _check_model(request, body.model)
+    await _check_prompt(request, body.prompt_chars(), "messages")
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    params = _with_tenant(request, body.params(), tenant)
+    params = _params(request, body, key)
+    slot = _state(request).in_flight.acquire(key)
     client = _state(request).client
     agens = [client.generate(messages=body.messages_json(), request_id=rid, params=params,
                              stream=body.stream)]
     tally = Tally(chat=True, request_id=rid, model=body.model, num_choices=body.n or 1,
                   logprobs=bool(body.logprobs), include_usage=body.include_usage)
-    return await _respond(request, agens, tally, body.n or 1, body.stream, body.param_names())
+    return await _respond(request, agens, tally, body.n or 1, body.stream, body.param_names(), slot)
 
 
 @router.post("/v1/completions")
-async def completions(body: CompletionRequest, request: Request, tenant: str = Depends(authenticated)):
+async def completions(body: CompletionRequest, request: Request, key: KeyPolicy = Depends(authenticated)):
     _check_model(request, body.model)
+    await _check_prompt(request, body.prompt_chars(), "prompt")
     rid = f"cmpl-{uuid.uuid4().hex}"
-    params = _with_tenant(request, body.params(), tenant)
+    params = _params(request, body, key)
+    slot = _state(request).in_flight.acquire(key)
     client = _state(request).client
     prompts = body.prompts()
     n = body.n or 1
@@ -69,37 +94,47 @@ async def completions(body: CompletionRequest, request: Request, tenant: str = D
                              params=params, stream=body.stream) for i, p in enumerate(prompts)]
     tally = Tally(chat=False, request_id=rid, model=body.model, num_choices=n * len(prompts),
                   logprobs=body.logprobs is not None, include_usage=body.include_usage)
-    return await _respond(request, agens, tally, n, body.stream, body.param_names())
+    return await _respond(request, agens, tally, n, body.stream, body.param_names(), slot)
 
 
 async def _respond(request: Request, agens: list, tally: Tally, n: int, stream: bool,
-                   param_names: dict[str, str]) -> Response:
-    poll = _state(request).settings.disconnect_poll_s
+                   param_names: dict[str, str], slot: Slot) -> Response:
+    """Answer the request; ``slot`` (the key's open-request count) is released when it is over:
+    here for a whole response, when the SSE stream closes for a stream."""
+    settings = _state(request).settings
     items = merged(agens, n)
-    if not stream:
+    handed_over = False
+    try:
+        if not stream:
+            try:
+                await until_disconnect(request, collect(items, tally), settings.disconnect_poll_s)
+            except ClientDisconnected:
+                log.info("%s: client disconnected, generation aborted", tally.id)
+                return Response(status_code=CLIENT_CLOSED)
+            except TritonLLMError as exc:
+                raise from_llm_error(exc, param_names) from None
+            if not tally.done:                          # never a 200 with a truncated answer
+                raise from_llm_error(UnavailableError("the server ended the request before it finished"))
+            return JSONResponse(tally.response(), headers=tally.headers())
+
+        # Streaming: wait for the first response so that a rejection (400 / 429 / 503) still gets
+        # its status code instead of a 200 stream that fails at once.
         try:
-            await until_disconnect(request, collect(items, tally), poll)
+            first = await until_disconnect(request, anext(items, None), settings.disconnect_poll_s)
         except ClientDisconnected:
-            log.info("%s: client disconnected, generation aborted", tally.id)
+            log.info("%s: client disconnected before the first token, generation aborted", tally.id)
             return Response(status_code=CLIENT_CLOSED)
         except TritonLLMError as exc:
             raise from_llm_error(exc, param_names) from None
-        if not tally.done:                          # never a 200 with a truncated answer
-            raise from_llm_error(UnavailableError("the server ended the request before it finished"))
-        return JSONResponse(tally.response(), headers=tally.headers())
-
-    # Streaming: wait for the first response so that a rejection (400 / 429 / 503) still gets
-    # its status code instead of a 200 stream that fails at once.
-    try:
-        first = await until_disconnect(request, anext(items, None), poll)
-    except ClientDisconnected:
-        log.info("%s: client disconnected before the first token, generation aborted", tally.id)
-        return Response(status_code=CLIENT_CLOSED)
-    except TritonLLMError as exc:
-        raise from_llm_error(exc, param_names) from None
-    return StreamingResponse(_events(first, items, tally, param_names), media_type="text/event-stream",
-                             headers={"x-request-id": tally.id, "cache-control": "no-cache",
-                                      "x-accel-buffering": "no"})
+        handed_over = True
+        return BoundedSSE(_events(first, items, tally, param_names), name=tally.id,
+                          write_timeout=settings.stream_write_timeout_s, on_close=slot.release,
+                          headers={"x-request-id": tally.id, "cache-control": "no-cache",
+                                   "x-accel-buffering": "no"})
+    finally:
+        if not handed_over:
+            slot.release()
+            await items.aclose()
 
 
 async def _events(first, items, tally: Tally, param_names: dict[str, str]):
@@ -128,12 +163,12 @@ async def _events(first, items, tally: Tally, param_names: dict[str, str]):
 
 
 @router.get("/v1/models")
-async def list_models(request: Request, _tenant: str = Depends(authenticated)):
+async def list_models(request: Request, _key: KeyPolicy = Depends(authenticated)):
     return {"object": "list", "data": [await _model_card(request)]}
 
 
 @router.get("/v1/models/{model_id:path}")
-async def get_model(model_id: str, request: Request, _tenant: str = Depends(authenticated)):
+async def get_model(model_id: str, request: Request, _key: KeyPolicy = Depends(authenticated)):
     _check_model(request, model_id)
     return await _model_card(request)
 

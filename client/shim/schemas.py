@@ -1,16 +1,27 @@
 """OpenAI request bodies (pydantic). Unknown fields are ignored, as OpenAI's own API does.
 
-Only the shape is checked here (types; a wrong type is a 400 naming the field). Value ranges are
-checked once, on the server (backend/serving/request_params.py), and come back as tagged errors.
+The shape is checked here (types; a wrong type is a 400 naming the field), and so are the bounds
+that limit the shim's own work or that the gRPC wire cannot carry (client/shim/limits.py): ``n``,
+the prompt list, integers (int64 and each one's range: ``max_tokens: 2**63`` is a 400 here, not a
+500 from the gRPC library), finite floats, stop strings. Every other value range is checked on the
+server (backend/serving/request_params.py) and comes back as a tagged error.
 Server-side parameter names are backend/protocol.py's.
 """
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Annotated, Any, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from backend import protocol as P
+from client.shim import limits as L
+
+Int64 = Annotated[int, Field(ge=L.INT64_MIN, le=L.INT64_MAX)]
+Positive = Annotated[int, Field(ge=1, le=L.INT64_MAX)]
+NonNegative = Annotated[int, Field(ge=0, le=L.INT64_MAX)]
+Logprobs = Annotated[int, Field(ge=0, le=L.MAX_LOGPROBS)]
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+TokenId = Annotated[int, Field(ge=0, le=L.INT32_MAX)]
 
 
 class _Body(BaseModel):
@@ -25,22 +36,33 @@ class _Generation(_Body):
     model: str
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    n: Annotated[int, Field(ge=1, le=L.MAX_N)] | None = None
+    max_tokens: Positive | None = None
+    temperature: Finite | None = None
+    top_p: Finite | None = None
+    top_k: Annotated[int, Field(ge=-1, le=L.INT32_MAX)] | None = None
+    min_p: Finite | None = None
+    seed: Int64 | None = None
+    presence_penalty: Finite | None = None
+    frequency_penalty: Finite | None = None
+    repetition_penalty: Finite | None = None
     stop: Union[str, list[str], None] = None
-    stop_token_ids: list[int] | None = None
-    min_tokens: int | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=L.MAX_STOP_TOKEN_IDS)] | None = None
+    min_tokens: NonNegative | None = None
     ignore_eos: bool | None = None
-    priority: int | None = None             # vLLM's extension: lower = sooner
+    # vLLM's extension: lower = sooner. The key's own priority is the most urgent it may ask for.
+    priority: Annotated[int, Field(ge=L.PRIORITY_MIN, le=L.PRIORITY_MAX)] | None = None
     user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stop(cls, v):
+        items = [v] if isinstance(v, str) else (v or [])
+        if len(items) > L.MAX_STOP:
+            raise ValueError(f"at most {L.MAX_STOP} stop strings, got {len(items)}")
+        if any(len(s) > L.MAX_STOP_CHARS for s in items):
+            raise ValueError(f"a stop string has at most {L.MAX_STOP_CHARS} characters")
+        return v
 
     @property
     def include_usage(self) -> bool:
@@ -70,9 +92,20 @@ class ChatMessage(_Body):
 
 class ChatCompletionRequest(_Generation):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Positive | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Logprobs | None = None
+
+    def prompt_chars(self) -> int:
+        """Characters of every message's text together (what the chat template will wrap)."""
+        total = 0
+        for m in self.messages:
+            total += len(m.role) + len(m.name or "")
+            if isinstance(m.content, str):
+                total += len(m.content)
+            elif isinstance(m.content, list):
+                total += sum(len(str(part.get("text", ""))) for part in m.content)
+        return total
 
     def messages_json(self) -> list[dict]:
         out = []
@@ -103,9 +136,20 @@ class ChatCompletionRequest(_Generation):
 
 class CompletionRequest(_Generation):
     prompt: Union[str, list[str]]
-    logprobs: int | None = None
+    logprobs: Logprobs | None = None
     echo: bool | None = None                # accepted, not supported (ignored)
     suffix: str | None = None               # accepted, ignored
+
+    @field_validator("prompt")
+    @classmethod
+    def _bounded_prompts(cls, v):
+        if isinstance(v, list) and not 1 <= len(v) <= L.MAX_PROMPTS:
+            raise ValueError(f"a prompt list holds 1 to {L.MAX_PROMPTS} prompts, got {len(v)}")
+        return v
+
+    def prompt_chars(self) -> int:
+        """The longest prompt's characters (each prompt is tokenized on its own)."""
+        return max(len(p) for p in self.prompts())
 
     def prompts(self) -> list[str]:
         return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)

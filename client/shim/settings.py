@@ -3,14 +3,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import os
 import pathlib
 from dataclasses import dataclass, field
 
 from client.errors import UnavailableError
+from client.shim.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_PROMPT_CHARS_PER_TOKEN
+from client.shim.tenants import KeyPolicy, as_policy, default_tenant, parse_key_entry  # noqa: F401
 
 KEYS_ENV = "TRITON_LLM_API_KEYS"
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+# `triton-llm serve` passes its own work directory's chat.sqlite; this is the same file for the
+# default work directory (backend/serving/serve.py), so a restart finds the conversations again.
+DEFAULT_CHAT_DB = ROOT / "build" / "serve" / "chat.sqlite"
 
 
 @dataclass
@@ -21,14 +26,18 @@ class ShimSettings:
     model_dir: str | None = None
     model_name: str | None = None          # served id; default: the model directory's name
     api_keys_file: str | None = None
-    api_keys: dict[str, str] = field(default_factory=dict)   # key -> tenant (filled by load_keys)
+    api_keys: dict = field(default_factory=dict)   # key -> tenant name or KeyPolicy (+ load_keys)
     allow_shared_prefix: bool = False      # True: tenants share cached prefixes (no salt sent)
     ensemble: str = "llm"
     engine: str = "engine"
     max_model_len: int | None = None       # default: the server's context window (ContextWindow)
     disconnect_poll_s: float = 0.1         # how often a non-streaming request checks its client
     chat_db_path: str | None = None        # read by the chat page (client/chat): its session store
+                                           # (None: in memory; the command line defaults to a file)
     chat_keep_turns: int | None = None     # read by the chat page: default turns kept
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES   # larger request bodies: 413 before parsing
+    prompt_chars_per_token: int = DEFAULT_PROMPT_CHARS_PER_TOKEN   # prompt cap: this x the window
+    stream_write_timeout_s: float = 30.0   # an SSE client that takes no bytes this long is cut off
 
     @property
     def served_model(self) -> str:
@@ -71,28 +80,20 @@ def context_window_of(app, settings=None) -> ContextWindow:
     return cw
 
 
-def default_tenant(key: str) -> str:
-    """A key listed without a tenant is its own tenant; the key itself is never sent."""
-    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
-
-
-def parse_key_lines(lines) -> dict[str, str]:
-    """``KEY`` or ``KEY:TENANT`` per entry; blank entries and ``#`` comments are skipped."""
-    keys: dict[str, str] = {}
+def parse_key_lines(lines) -> dict[str, KeyPolicy]:
+    """``KEY[:TENANT] [priority=P] [max_concurrent=N]`` per entry (client/shim/tenants.py); blank
+    entries and ``#`` comments are skipped; a bad option raises ValueError."""
+    keys: dict[str, KeyPolicy] = {}
     for raw in lines:
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        key, _, tenant = line.partition(":")
-        key, tenant = key.strip(), tenant.strip()
-        if key:
-            keys[key] = tenant or default_tenant(key)
+        parsed = parse_key_entry(raw)
+        if parsed is not None:
+            keys[parsed[0]] = parsed[1]
     return keys
 
 
-def load_keys(settings: ShimSettings) -> dict[str, str]:
+def load_keys(settings: ShimSettings) -> dict[str, KeyPolicy]:
     """Keys from ``api_keys`` + the key file + env TRITON_LLM_API_KEYS (comma-separated)."""
-    keys = dict(settings.api_keys)
+    keys = {k: as_policy(k, v) for k, v in settings.api_keys.items()}
     if settings.api_keys_file:
         keys.update(parse_key_lines(pathlib.Path(settings.api_keys_file).read_text().splitlines()))
     env = os.environ.get(KEYS_ENV, "")
@@ -107,15 +108,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--triton-grpc", default="127.0.0.1:8001", help="Triton gRPC address HOST:PORT")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=9000)
-    p.add_argument("--api-keys", default=None, help=f"file of KEY[:TENANT] lines (also env {KEYS_ENV})")
+    p.add_argument("--api-keys", default=None, help=f"file of `KEY[:TENANT] [priority=P] [max_concurrent=N]` lines (also env {KEYS_ENV})")
     p.add_argument("--model-dir", default=None, help="the served checkpoint (its tokenizer counts the chat page's tokens)")
     p.add_argument("--model-name", default=None, help="model id clients send (default: the directory's name)")
     p.add_argument("--allow-shared-prefix", action="store_true",
                    help="let tenants share cached prefixes (default: each tenant's cache is salted)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context window to report (default: ask the server)")
-    p.add_argument("--chat-db", default=None, help="chat page session store (SQLite file; default: in memory)")
+    p.add_argument("--chat-db", default=str(DEFAULT_CHAT_DB),
+                   help="chat page session store, an SQLite file (':memory:' keeps nothing; default: "
+                        "chat.sqlite in triton-llm serve's default work directory, build/serve)")
     p.add_argument("--chat-keep-turns", type=int, default=None, help="chat page: turns kept by default")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="larger request bodies are refused with 413 before they are parsed")
+    p.add_argument("--prompt-chars-per-token", type=int, default=DEFAULT_PROMPT_CHARS_PER_TOKEN,
+                   help="a prompt longer than this many characters per context-window token is a 400 "
+                        "before tokenization")
+    p.add_argument("--stream-write-timeout", type=float, default=30.0,
+                   help="seconds an SSE client may take no bytes before its stream is aborted")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -125,4 +135,6 @@ def settings_from_args(args: argparse.Namespace) -> ShimSettings:
                         model_dir=args.model_dir, model_name=args.model_name,
                         api_keys_file=args.api_keys, allow_shared_prefix=args.allow_shared_prefix,
                         max_model_len=args.max_model_len, chat_db_path=args.chat_db,
-                        chat_keep_turns=args.chat_keep_turns)
+                        chat_keep_turns=args.chat_keep_turns, max_body_bytes=args.max_body_bytes,
+                        prompt_chars_per_token=args.prompt_chars_per_token,
+                        stream_write_timeout_s=args.stream_write_timeout)

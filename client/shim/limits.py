@@ -1,0 +1,107 @@
+"""Bounds on what one request may make the shim do, checked before the work they bound.
+
+    BodyLimit (ASGI middleware)   the request body: Content-Length checked before reading, the bytes
+                                  counted while reading; 413 before JSON parsing, auth or routing
+    schemas.py (pydantic Fields)  n, the prompt list, integers (int64 and each one's range), stop
+                                  strings: a 400 before any choice array or gRPC stream exists
+    check_prompt_chars            prompt characters against a multiple of the context window,
+                                  before the server tokenizes anything
+
+A bad request costs the shim at most one body of ``max_body_bytes`` and a pydantic pass.
+"""
+from __future__ import annotations
+
+import json
+
+from client.shim.errors import OpenAIError, invalid
+
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+# The longest prompt (all chat message text together) in characters, as a multiple of the context
+# window in tokens. A token is rarely longer than a few characters, so a prompt longer than this
+# cannot fit anyway; the cap bounds the tokenizer's work on one request.
+DEFAULT_PROMPT_CHARS_PER_TOKEN = 16
+
+MAX_N = 16                      # the engine's own limit (SamplingParams)
+MAX_PROMPTS = 32                # completions: prompts in one request (one gRPC stream each)
+MAX_STOP = 4                    # stop strings (OpenAI's limit)
+MAX_STOP_CHARS = 256            # characters of one stop string (the stop checker scans each one)
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGPROBS = 20
+INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
+INT32_MAX = 2 ** 31 - 1
+PRIORITY_MIN, PRIORITY_MAX = -(2 ** 31), INT32_MAX
+
+
+def too_large(limit: int) -> OpenAIError:
+    return OpenAIError(413, f"The request body is larger than {limit} bytes.", "invalid_request_error",
+                       None, "request_too_large", {"Connection": "close"})
+
+
+class BodyLimit:
+    """ASGI middleware: read the whole body (at most ``max_bytes``) before the app sees the request.
+
+    A declared Content-Length over the limit is refused before a byte is read; a chunked body is
+    counted as it arrives and refused as soon as it passes the limit. The app then receives the
+    buffered body in one message, and later ``receive()`` calls go to the server (disconnects)."""
+
+    def __init__(self, app, max_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+        self.app, self.max_bytes = app, int(max_bytes)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope.get("method") in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        declared = _content_length(scope)
+        if declared is not None and declared > self.max_bytes:
+            await _send_error(send, too_large(self.max_bytes))
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return                              # the client left before sending its body
+            body = message.get("body", b"")
+            size += len(body)
+            if size > self.max_bytes:
+                await _send_error(send, too_large(self.max_bytes))
+                return
+            chunks.append(body)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+def _content_length(scope) -> int | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+async def _send_error(send, err: OpenAIError) -> None:
+    body = json.dumps(err.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in err.headers.items()]
+    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def check_prompt_chars(chars: int, context_window: int, chars_per_token: int, param: str) -> None:
+    """400 when a prompt of ``chars`` characters cannot fit ``context_window`` tokens."""
+    limit = context_window * chars_per_token
+    if chars > limit:
+        raise invalid(f"The prompt has {chars} characters; at most {limit} are accepted "
+                      f"({chars_per_token} per token of the {context_window}-token context window).",
+                      param, "context_length_exceeded")

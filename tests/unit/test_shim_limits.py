@@ -1,0 +1,132 @@
+"""Bounded inputs: body size (413 before parsing or auth), n, prompt lists, prompt characters,
+int64 / range checks and stop strings are 400s from the shim before any generation starts."""
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from client.errors import InvalidRequestError
+from client.fake_client import FakeLLMClient
+from client.shim import ShimSettings, create_app
+from client.shim.background import BackgroundServer
+from client.triton_client import to_parameters
+
+KEY = "sk-limits"
+H = {"Authorization": f"Bearer {KEY}"}
+LIMIT = 64 * 1024
+WINDOW = 256
+
+
+@pytest.fixture(scope="module")
+def fake():
+    return FakeLLMClient(window=WINDOW)
+
+
+@pytest.fixture(scope="module")
+def url(fake):
+    settings = ShimSettings(model_name="tiny", api_keys={KEY: "acme"}, max_body_bytes=LIMIT,
+                            prompt_chars_per_token=4)
+    with BackgroundServer(create_app(settings, client=fake)) as srv:
+        yield srv.url
+
+
+def error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+def test_body_over_the_limit_is_413_before_auth(url, fake):
+    calls = len(fake.calls)
+    big = b'{"model": "tiny", "prompt": "' + b"x" * LIMIT + b'"}'
+    # no key at all: the size check comes first (auth never ran on a body it would not read)
+    e = error(httpx.post(url + "/v1/completions", content=big,
+                         headers={"content-type": "application/json"}), 413)
+    assert e["code"] == "request_too_large" and str(LIMIT) in e["message"]
+    # chunked (no Content-Length): counted while read, refused once past the limit
+    def chunks():
+        for _ in range(LIMIT // 1024 + 8):
+            yield b" " * 1024
+    r = httpx.post(url + "/v1/completions", content=chunks(), headers=H)
+    assert error(r, 413)["code"] == "request_too_large"
+    e = error(httpx.post(url + "/api/conversations", content=big, headers=H), 413)
+    assert len(fake.calls) == calls
+    # just under the limit still works
+    ok = {"model": "tiny", "prompt": "x" * 100, "max_tokens": 1}
+    assert httpx.post(url + "/v1/completions", json=ok, headers=H).status_code == 200
+
+
+@pytest.mark.parametrize("field, value", [
+    ("n", 1_000_000_000), ("n", 17), ("n", 0), ("max_tokens", 2 ** 63), ("max_tokens", 0),
+    ("seed", 2 ** 63), ("seed", -(2 ** 63) - 1), ("top_k", 2 ** 40), ("top_k", -2),
+    ("min_tokens", -1), ("min_tokens", 2 ** 64), ("priority", 2 ** 31), ("logprobs", 21),
+    ("stop_token_ids", [2 ** 31]), ("stop_token_ids", list(range(65))), ("stop", ["a"] * 5),
+    ("stop", "x" * 257), ("prompt", []), ("prompt", ["p"] * 33), ("max_tokens", 10 ** 400),
+])
+def test_out_of_range_is_a_quick_400_naming_the_field(url, fake, field, value):
+    calls = len(fake.calls)
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 2, field: value}
+    start = time.monotonic()
+    e = error(httpx.post(url + "/v1/completions", json=body, headers=H), 400)
+    assert time.monotonic() - start < 2
+    assert e["param"].split(".")[0] == field and e["type"] == "invalid_request_error", e
+    assert len(fake.calls) == calls               # nothing was generated, no choices were made
+
+
+@pytest.mark.parametrize("field, value", [
+    ("n", 1_000_000_000), ("max_completion_tokens", 2 ** 63), ("top_logprobs", 21), ("seed", 2 ** 70),
+])
+def test_chat_out_of_range_is_400(url, fake, field, value):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+            field: value}
+    calls = len(fake.calls)
+    for stream in (False, True):
+        e = error(httpx.post(url + "/v1/chat/completions", json={**body, "stream": stream}, headers=H), 400)
+        assert e["param"] == field
+    assert len(fake.calls) == calls
+
+
+def test_non_finite_floats_are_400(url):
+    for literal in (b"NaN", b"Infinity", b"-Infinity", b"1e999"):
+        body = b'{"model": "tiny", "prompt": "x", "temperature": ' + literal + b"}"
+        r = httpx.post(url + "/v1/completions", content=body,
+                       headers={**H, "content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["param"] in ("temperature", None), r.text
+
+
+def test_extreme_values_inside_the_ranges_reach_the_server(url, fake):
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 3, "seed": -(2 ** 63), "top_k": -1,
+            "n": 16, "stop": ["a" * 256] * 4, "logprobs": 20}
+    r = httpx.post(url + "/v1/completions", json=body, headers=H)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 16
+    assert fake.calls[-1]["params"]["seed"] == -(2 ** 63)
+
+
+def test_prompt_characters_capped_at_a_multiple_of_the_window(url, fake):
+    calls = len(fake.calls)
+    cap = WINDOW * 4                              # prompt_chars_per_token=4
+    e = error(httpx.post(url + "/v1/completions", headers=H,
+                         json={"model": "tiny", "prompt": ["ok", "y" * (cap + 1)]}), 400)
+    assert e["param"] == "prompt" and e["code"] == "context_length_exceeded" and str(cap) in e["message"]
+    msgs = [{"role": "user", "content": "z" * (cap // 2)}, {"role": "assistant", "content": "z" * (cap // 2)}]
+    e = error(httpx.post(url + "/v1/chat/completions", headers=H,
+                         json={"model": "tiny", "messages": msgs}), 400)
+    assert e["param"] == "messages"
+    parts = [{"role": "user", "content": [{"type": "text", "text": "w" * (cap + 1)}]}]
+    assert error(httpx.post(url + "/v1/chat/completions", headers=H,
+                            json={"model": "tiny", "messages": parts}), 400)["param"] == "messages"
+    assert len(fake.calls) == calls
+    r = httpx.post(url + "/v1/completions", headers=H,
+                   json={"model": "tiny", "prompt": "y" * (cap - 10), "max_tokens": 1})
+    assert r.status_code == 200
+
+
+def test_client_library_refuses_integers_past_int64():
+    for name, value in (("max_tokens", 2 ** 63), ("seed", -(2 ** 63) - 1)):
+        with pytest.raises(InvalidRequestError) as ei:
+            to_parameters({name: value})
+        assert ei.value.param == name
+    assert to_parameters({"seed": 2 ** 63 - 1}) == {"seed": 2 ** 63 - 1}
