@@ -16,6 +16,7 @@ from fastapi import Request
 from client.triton_client import Chunk
 
 Item = tuple[int, int, Chunk]                    # (choice index, prompt index, chunk)
+QUEUE_ITEMS = 64                                 # chunks merged from several prompts, waiting
 
 
 class ClientDisconnected(Exception):
@@ -36,18 +37,20 @@ async def merged(agens: list[AsyncIterator[Chunk]], n: int) -> AsyncIterator[Ite
         async for item in _single(agens[0]):
             yield item
         return
-    queue: asyncio.Queue = asyncio.Queue()
+    # Bounded: a consumer that stops pulling (a slow SSE client) stops the pumps too, so what
+    # waits here is at most QUEUE_ITEMS chunks, and the rest stays in the gRPC streams.
+    queue: asyncio.Queue = asyncio.Queue(maxsize=QUEUE_ITEMS)
     _END = object()
 
     async def pump(pi: int, agen: AsyncIterator[Chunk]) -> None:
         try:
             async for chunk in agen:
-                queue.put_nowait((pi * n + chunk.index, pi, chunk))
-            queue.put_nowait(_END)
+                await queue.put((pi * n + chunk.index, pi, chunk))
+            await queue.put(_END)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:             # noqa: BLE001 -- re-raised by the consumer
-            queue.put_nowait(exc)
+            await queue.put(exc)
 
     tasks = [asyncio.create_task(pump(pi, g)) for pi, g in enumerate(agens)]
     try:
