@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class InvalidSamplingParam(ValueError):
@@ -33,6 +34,10 @@ class SamplingParams:
     logprobs: int | None = None          # number of top logprobs per token (0 = only the chosen)
     skip_special_tokens: bool = True
     speculative: bool = True             # False: this request never carries draft tokens (opt-out)
+    # Structured outputs (backend/structured): a StructuredSpec (JSON schema, regex, choice, grammar,
+    # tool calls) and OpenAI's logit_bias {token id: bias in [-100, 100]}.
+    structured: Any = None
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -82,6 +87,9 @@ class SamplingParams:
             bad("stop", "must be at most 4 non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
+        if self.structured is not None or self.logit_bias:
+            from backend.structured.spec import check_structured
+            self.logit_bias = check_structured(self.structured, self.logit_bias)
 
     @property
     def greedy(self) -> bool:

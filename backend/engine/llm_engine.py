@@ -25,6 +25,7 @@ from backend.engine.stop_checker import StopChecker
 from backend.errors import EngineError, ErrorKind, deadline_exceeded
 from backend.outputs import StepDelta
 from backend.sampling_params import SamplingParams
+from backend.structured.compiler import Grammars
 from backend.spec.config import SpeculativeConfig
 from backend.spec.speculator import make_speculator
 from backend.spec.verify import verify
@@ -63,6 +64,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, max_num_seqs=args.max_num_seqs, stop_checker=self.stop_checker,
                                    max_num_batched_tokens=args.max_num_batched_tokens)
         self.sampler = Sampler(info.vocab_size, self.eos_token_ids, seed=args.seed)
+        # Structured outputs: grammars compiled once per (schema, this tokenizer), thread-safe.
+        self.grammars = Grammars(tokenizer, info.vocab_size, self.eos_token_ids)
         self.speculator = make_speculator(SpeculativeConfig.parse(args.speculative_config), args=args,
                                           runner=runner, max_model_len=self.max_model_len)
         self.device = args.device
@@ -85,6 +88,7 @@ class LLMEngine:
         invalid_request (with ``param``) or queue_full when ``max_waiting`` sequences wait."""
         prompt_token_ids = list(prompt_token_ids)
         max_tokens = validate_request(self.limits, request_id, prompt_token_ids, params)
+        grammar = self.grammars.prepare(params) if params is not None else None
         if request_id in self.scheduler.requests:
             raise duplicate_id(request_id)
         try:
@@ -94,7 +98,7 @@ class LLMEngine:
             raise
         self.scheduler.add_request(Request(
             request_id, prompt_token_ids, params or SamplingParams(), max_tokens=max_tokens, stream=stream,
-            salt=salt, priority=int(priority), deadline=deadline,
+            salt=salt, priority=int(priority), deadline=deadline, grammar=grammar,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time))
 
     def abort_request(self, request_id: str) -> bool:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from backend.outputs import TokenLogprob
+from backend.structured.logits import apply_constraints
 
 
 class Sampler:
@@ -42,7 +43,8 @@ class Sampler:
             logits = logits[torch.tensor(rows, device=logits.device)]
         params = [s.params for s in seqs]
         if all(p.temperature == 0.0 and p.logprobs is None and not p.presence_penalty
-               and not p.frequency_penalty and p.repetition_penalty == 1.0 for p in params):
+               and not p.frequency_penalty and p.repetition_penalty == 1.0
+               and p.structured is None and not p.logit_bias for p in params):
             return self._greedy(logits, seqs), [None] * len(seqs)
         want_lp = any(p.logprobs is not None for p in params)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_lp else None
@@ -109,8 +111,9 @@ class Sampler:
 
     # -- sampling --------------------------------------------------------------------------
     def processed(self, logits: torch.Tensor, seqs: list) -> torch.Tensor:
-        """Penalties, then the min_tokens mask: the logits greedy takes its argmax of."""
-        return self._mask_min_tokens(self._penalize(logits, seqs), seqs)
+        """Penalties, the min_tokens mask, then logit_bias and the grammar bitmask of structured
+        outputs (backend/structured/logits.py): the logits greedy takes its argmax of."""
+        return apply_constraints(self._mask_min_tokens(self._penalize(logits, seqs), seqs), seqs)
 
     def probs(self, logits: torch.Tensor, seqs: list) -> torch.Tensor:
         """The distribution a sampled row draws from: processed logits -> temperature -> min-p

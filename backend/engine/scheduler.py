@@ -312,6 +312,8 @@ class Scheduler:
         if lp is not None:
             seq.logprobs.append(lp)
         self.stop_checker.check(seq, token)
+        if seq.grammar is not None:          # structured output: the matcher follows every token
+            seq.grammar.advance(seq, token)
 
     def _append_run(self, seq: Sequence, run: list[int], lps: list, outcome: StepOutcome) -> None:
         """Append a verified run token by token, stopping exactly where a stop condition hits

@@ -45,7 +45,7 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                  max_tokens: int, stream: bool, salt: str | None, priority: int,
-                 deadline: float | None, arrival_time: float):
+                 deadline: float | None, arrival_time: float, grammar=None):
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.params = params
@@ -60,6 +60,7 @@ class Request:
         self.first_token_time: float | None = None
         self.num_cached_tokens = 0                # prefix-cache hit at the first schedule
         self.forked = params.n == 1
+        self.grammar = grammar                    # backend/structured Grammar, or None
         self.seqs: list[Sequence] = [Sequence(self, 0)]
 
     @property
@@ -93,6 +94,8 @@ class Sequence:
         if seed is not None:
             # Choices get seed, seed + 1, ...: reproducible and distinct from each other.
             self.generator = torch.Generator().manual_seed((seed + index) % (1 << 63))
+        # Structured output: this choice's own grammar matcher, advanced with its tokens.
+        self.grammar = request.grammar.matcher() if request.grammar is not None else None
         self.logprobs: list[TokenLogprob] = []
         self.num_sent = 0
         self.num_ready = 0
