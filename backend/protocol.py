@@ -124,6 +124,18 @@ TENANT = "tenant"                   # salts the prefix cache: tenants never shar
 REQUEST_PRIORITY = "request_priority"
 REQUEST_TIMEOUT = "request_timeout"
 ABORT_REQUEST_ID = "abort_request_id"   # a control request to the engine: stop that request
+# Structured outputs (backend/structured/spec.py): JSON values as JSON text.
+RESPONSE_FORMAT = "response_format"       # OpenAI: {"type": "json_object" | "json_schema", ...}
+GUIDED_JSON = "guided_json"               # vLLM's names, for direct Triton clients
+GUIDED_REGEX = "guided_regex"
+GUIDED_CHOICE = "guided_choice"
+GUIDED_GRAMMAR = "guided_grammar"
+TOOLS = "tools"                           # OpenAI tools (also rendered by the chat template)
+TOOL_CHOICE = "tool_choice"               # "none" | "auto" | "required" | {"type": "function", ...}
+PARALLEL_TOOL_CALLS = "parallel_tool_calls"
+LOGIT_BIAS = "logit_bias"                 # {"token id": bias in [-100, 100]}
+STRUCTURED_PARAMS = (RESPONSE_FORMAT, GUIDED_JSON, GUIDED_REGEX, GUIDED_CHOICE, GUIDED_GRAMMAR, TOOLS,
+                     TOOL_CHOICE, PARALLEL_TOOL_CALLS)
 # Model-level parameters (config.pbtxt ``parameters``), not per request.
 MODEL_DIR = "model_dir"
 CONTEXT_WINDOW = "context_window"   # preprocessing: the engine's context_window() (backend/context.py)

@@ -64,6 +64,7 @@ class EngineLoop:
     def __init__(self, engine: LLMEngine, *, name: str = "engine-loop"):
         self.engine = engine
         self.limits = engine.limits              # immutable: safe to read from any thread
+        self.grammars = getattr(engine, "grammars", None)   # structured outputs' compile cache (thread-safe)
         self.healthy = True
         self.error: EngineError | None = None
         self._intake: queue.Queue = queue.Queue()
@@ -89,6 +90,8 @@ class EngineLoop:
         params = params or SamplingParams()
         prompt_ids = list(prompt_ids)
         validate_request(self.limits, request_id, prompt_ids, params)
+        if self.grammars is not None:           # a bad schema is a 400 here; compiled once, cached
+            self.grammars.prepare(params)
         with self._lock:
             if request_id in self._open:
                 raise duplicate_id(request_id)

@@ -15,6 +15,7 @@ from backend import protocol as P
 from backend.context import context_window_for
 from backend.errors import invalid_request
 from backend.serving.request_params import RequestSettings, fit_context, request_settings
+from backend.structured.tool_prompt import keep_tool_fields, template_inputs, tools_from_params
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -42,7 +43,7 @@ def parse_messages(raw: str) -> list[dict]:
         role = m.get("role")
         if role not in ROLES:
             raise invalid_request(P.MESSAGES, f"messages[{i}].role must be one of {list(ROLES)}, got {role!r}")
-        out.append({"role": role, "content": _content_text(m.get("content"), i, role)})
+        out.append(keep_tool_fields(m, {"role": role, "content": _content_text(m.get("content"), i, role)}))
     return out
 
 
@@ -69,10 +70,11 @@ class Preprocessor:
         self.tokenizer = load_tokenizer(model_dir)
         self.context_window = context_window or context_window_for(model_dir)
 
-    def encode_messages(self, messages: list[dict]) -> list[int]:
+    def encode_messages(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        messages, extra = template_inputs(self.tokenizer, messages, tools)   # tools: backend/structured
         try:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                     return_dict=False)
+                                                     return_dict=False, **extra)
         except Exception as exc:           # the template's own raise_exception (e.g. role order)
             raise invalid_request(P.MESSAGES, f"the chat template rejected the messages: {exc}") from None
         return [int(t) for t in ids]
@@ -86,7 +88,7 @@ class Preprocessor:
         if (text_input is None) == (messages is None):
             raise invalid_request(P.TEXT_INPUT, "give exactly one of text_input (a prompt) or messages (chat JSON)")
         if messages is not None:
-            ids, param = self.encode_messages(parse_messages(messages)), P.MESSAGES
+            ids, param = self.encode_messages(parse_messages(messages), tools_from_params(params)), P.MESSAGES
         else:
             if not text_input:
                 raise invalid_request(P.TEXT_INPUT, "the prompt is empty")

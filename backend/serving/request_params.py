@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from backend import protocol as P
 from backend.errors import invalid_request
 from backend.sampling_params import InvalidSamplingParam, SamplingParams
+from backend.structured.spec import parse_logit_bias, spec_from_params
 
 MAX_TIMEOUT = 24 * 3600.0
 # Triton's front ends consume "priority" / "timeout" themselves; accepted should they arrive anyway.
@@ -142,6 +143,11 @@ def request_settings(params: dict) -> RequestSettings:
         else:
             kwargs[name] = _as_list(name, v)
     kwargs["logprobs"] = _logprobs(p)
+    try:                                    # structured outputs (backend/structured/spec.py)
+        kwargs["structured"] = spec_from_params(p)
+        kwargs["logit_bias"] = parse_logit_bias(p.get(P.LOGIT_BIAS))
+    except InvalidSamplingParam as exc:
+        raise invalid_request(exc.param, str(exc)) from None
     kwargs.setdefault(P.MAX_TOKENS, None)   # omitted: the rest of the context (OpenAI semantics)
     try:
         sampling = SamplingParams(**kwargs)

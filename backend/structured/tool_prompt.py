@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from backend.errors import invalid_request
+from backend.sampling_params import InvalidSamplingParam
 from backend.structured.tool_spec import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, parse_tools
 
 KEPT_FIELDS = ("tool_calls", "tool_call_id", "name")
@@ -33,7 +35,10 @@ def tools_from_params(params: dict) -> list[dict] | None:
     tools = params.get("tools")
     if tools in (None, "", []) or params.get("tool_choice") == "none":
         return None
-    return parse_tools(tools)
+    try:
+        return parse_tools(tools)
+    except InvalidSamplingParam as exc:
+        raise invalid_request(exc.param, str(exc)) from None
 
 
 def _openai_tools(tools: list[dict]) -> list[dict]:
