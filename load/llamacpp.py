@@ -141,7 +141,11 @@ def convert_to_gguf(model_dir: pathlib.Path, dtype: str = "float32") -> pathlib.
     config = json.loads((model_dir / "config.json").read_text())
     (stage / "config.json").write_text(json.dumps(staged_config(config)))
     tmp = out.with_suffix(".tmp")
-    subprocess.run(convert_cmd(source_dir(), stage, tmp, dtype), check=True, stdout=subprocess.DEVNULL)
+    log = out.with_suffix(".log")
+    with open(log, "wb") as f:
+        proc = subprocess.run(convert_cmd(source_dir(), stage, tmp, dtype), stdout=f, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"GGUF conversion of {model_dir} failed; see {log}")
     tmp.rename(out)
     shutil.rmtree(stage, ignore_errors=True)
     return out

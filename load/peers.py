@@ -12,6 +12,7 @@ Output tok/s counts requested (= generated, with ignore_eos) tokens over the poi
 """
 from __future__ import annotations
 
+import os
 import pathlib
 
 from load.backends import CompletionsBackend
@@ -42,12 +43,23 @@ async def _points(be: CompletionsBackend, model: str, dtype: str, streams: list[
         await be.close()
 
 
+def machine() -> dict:
+    """What the numbers were measured on (the JSON keeps it beside the results)."""
+    from backend.model.loader import cpu_flags
+
+    model = next((line.partition(":")[2].strip() for line in open("/proc/cpuinfo")
+                  if line.startswith("model name")), "?")
+    flags = cpu_flags()
+    return {"cpu": model, "cores": os.cpu_count(), "loadavg": os.getloadavg(),
+            "isa": [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]}
+
+
 async def run_peers(args, bench_point) -> dict:
-    """{model: {dtype: {"llama.cpp" | "ours": {streams: bench_point result}}}}"""
+    """{"machine": {...}, model: {dtype: {"llama.cpp" | "ours": {streams: bench_point result}}}}"""
     from load.llamacpp import LlamaServer, convert_to_gguf, ensure_llama_server
 
     ensure_llama_server()
-    out: dict = {}
+    out: dict = {"machine": machine()}
     for model in args.models:
         model_dir = resolve_model(model)
         name = pathlib.Path(model).name
@@ -62,12 +74,15 @@ async def run_peers(args, bench_point) -> dict:
             with Stack(model_dir, opts, shim=True) as stack:
                 be = CompletionsBackend(stack.shim_url, label=OURS, metrics_url=stack.metrics_url)
                 res[OURS] = await _points(be, name, dtype, args.streams, args.scale, bench_point)
+    out["machine"]["loadavg_end"] = os.getloadavg()
     return out
 
 
 def peers_table(out: dict) -> str:
     rows = []
     for model, by_dtype in out.items():
+        if model == "machine":
+            continue
         for dtype, res in by_dtype.items():
             for s in res[PEER]:
                 p, o = res[PEER][s]["summary"], res[OURS][s]["summary"]
@@ -86,7 +101,7 @@ async def suite_peers(args, bench_point, img: pathlib.Path) -> tuple[str, dict]:
 
     plot_bars({f"{m} {d} x{s}": {PEER: res[PEER][s]["summary"]["output_throughput"],
                                   OURS: res[OURS][s]["summary"]["output_throughput"]}
-               for m, by in out.items() for d, res in by.items() for s in res[PEER]},
+               for m, by in out.items() if m != "machine" for d, res in by.items() for s in res[PEER]},
               img / "peers.png", ylabel="output tokens/s",
               title="Full stack vs llama.cpp llama-server, same checkpoint and dtype (x = streams)")
     return peers_table(out), out

@@ -84,7 +84,7 @@ def test_peer_workload_lengths():
 def test_peers_table_ratio():
     def point(tok_s):
         return {"summary": {"output_throughput": tok_s, "ttft_ms": {"p50": 10.0}, "itl_ms": {"p50": 2.0}}}
-    out = {"bench-15m": {"float32": {PEER: {16: point(100.0), 1: point(50.0)},
+    out = {"machine": {"cpu": "x"}, "bench-15m": {"float32": {PEER: {16: point(100.0), 1: point(50.0)},
                                      OURS: {16: point(150.0), 1: point(40.0)}}}}
     table = peers_table(out)
     assert "| bench-15m | float32 | 16 | 100 | 150 | 1.50x |" in table
