@@ -58,7 +58,8 @@ async def run_peers(args, bench_point) -> dict:
     """{"machine": {...}, model: {dtype: {"llama.cpp" | "ours": {streams: bench_point result}}}}"""
     from load.llamacpp import LlamaServer, convert_to_gguf, ensure_llama_server
 
-    ensure_llama_server()
+    if PEER in args.contenders:
+        ensure_llama_server()
     out: dict = {"machine": machine()}
     for model in args.models:
         model_dir = resolve_model(model)
@@ -66,16 +67,25 @@ async def run_peers(args, bench_point) -> dict:
         out[name] = {}
         for dtype in args.dtypes:
             res = out[name][dtype] = {}
-            gguf = convert_to_gguf(model_dir, dtype)
-            with LlamaServer(gguf, parallel=max(args.streams)) as srv:
-                res[PEER] = await _points(CompletionsBackend(srv.url, label=PEER), name, dtype, args.streams,
-                                          args.scale, bench_point)
-            opts = {**engine_options(model, args.engine_option), "dtype": dtype}
-            with Stack(model_dir, opts, shim=True) as stack:
-                be = CompletionsBackend(stack.shim_url, label=OURS, metrics_url=stack.metrics_url)
-                res[OURS] = await _points(be, name, dtype, args.streams, args.scale, bench_point)
+            if PEER in args.contenders:
+                gguf = convert_to_gguf(model_dir, dtype)
+                with LlamaServer(gguf, parallel=max(args.streams)) as srv:
+                    res[PEER] = await _points(CompletionsBackend(srv.url, label=PEER), name, dtype, args.streams,
+                                              args.scale, bench_point)
+            if OURS in args.contenders:
+                opts = {**engine_options(model, args.engine_option), "dtype": dtype}
+                with Stack(model_dir, opts, shim=True) as stack:
+                    be = CompletionsBackend(stack.shim_url, label=OURS, metrics_url=stack.metrics_url)
+                    res[OURS] = await _points(be, name, dtype, args.streams, args.scale, bench_point)
     out["machine"]["loadavg_end"] = os.getloadavg()
     return out
+
+
+def _v(summary: dict | None, key: str, spec: str) -> str:
+    if summary is None:
+        return "–"
+    x = summary[key]
+    return format(x["p50"] if isinstance(x, dict) else x, spec)
 
 
 def peers_table(out: dict) -> str:
@@ -84,12 +94,13 @@ def peers_table(out: dict) -> str:
         if model == "machine":
             continue
         for dtype, res in by_dtype.items():
-            for s in res[PEER]:
-                p, o = res[PEER][s]["summary"], res[OURS][s]["summary"]
-                ratio = o["output_throughput"] / p["output_throughput"] if p["output_throughput"] else float("nan")
-                rows.append(f"| {model} | {dtype} | {s} | {p['output_throughput']:.0f} | {o['output_throughput']:.0f} "
-                            f"| {ratio:.2f}x | {p['ttft_ms']['p50']:.0f} / {o['ttft_ms']['p50']:.0f} "
-                            f"| {p['itl_ms']['p50']:.1f} / {o['itl_ms']['p50']:.1f} |")
+            for s in res.get(PEER) or res[OURS]:
+                p, o = (res[k][s]["summary"] if k in res else None for k in (PEER, OURS))
+                ratio = f"{o['output_throughput'] / p['output_throughput']:.2f}x" if p and o else "–"
+                rows.append(f"| {model} | {dtype} | {s} | {_v(p, 'output_throughput', '.0f')} "
+                            f"| {_v(o, 'output_throughput', '.0f')} | {ratio} "
+                            f"| {_v(p, 'ttft_ms', '.0f')} / {_v(o, 'ttft_ms', '.0f')} "
+                            f"| {_v(p, 'itl_ms', '.1f')} / {_v(o, 'itl_ms', '.1f')} |")
     return "\n".join(["| model | dtype | streams | llama.cpp tok/s | ours tok/s | ours / llama.cpp "
                       "| TTFT p50 ms llama.cpp / ours | ITL p50 ms llama.cpp / ours |",
                       "|---|---|---|---|---|---|---|---|", *rows])
@@ -99,9 +110,8 @@ async def suite_peers(args, bench_point, img: pathlib.Path) -> tuple[str, dict]:
     out = await run_peers(args, bench_point)
     from load.plots import plot_bars
 
-    plot_bars({f"{m} {d} x{s}": {PEER: res[PEER][s]["summary"]["output_throughput"],
-                                  OURS: res[OURS][s]["summary"]["output_throughput"]}
-               for m, by in out.items() if m != "machine" for d, res in by.items() for s in res[PEER]},
+    plot_bars({f"{m} {d} x{s}": {k: res[k][s]["summary"]["output_throughput"] for k in (PEER, OURS) if k in res}
+               for m, by in out.items() if m != "machine" for d, res in by.items() for s in args.streams},
               img / "peers.png", ylabel="output tokens/s",
               title="Full stack vs llama.cpp llama-server, same checkpoint and dtype (x = streams)")
     return peers_table(out), out

@@ -308,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=int, default=60, help="locust: run time")
     p.add_argument("--streams", type=int, nargs="+", default=[16, 1], help="peers: concurrent streams")
     p.add_argument("--dtypes", nargs="+", default=["float32"], help="peers: float32 and/or bfloat16")
+    p.add_argument("--contenders", nargs="+", default=["llama.cpp", "ours"], choices=["llama.cpp", "ours"],
+                   help="peers: which servers run")
     p.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
     command = "python -m load.suites " + " ".join(sys.argv[1:] if argv is None else argv)

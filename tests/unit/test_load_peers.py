@@ -89,3 +89,5 @@ def test_peers_table_ratio():
     table = peers_table(out)
     assert "| bench-15m | float32 | 16 | 100 | 150 | 1.50x |" in table
     assert "| bench-15m | float32 | 1 | 50 | 40 | 0.80x |" in table
+    only_ours = peers_table({"m": {"float32": {OURS: {16: point(150.0)}}}})
+    assert "| m | float32 | 16 | – | 150 | – | – / 10 | – / 2.0 |" in only_ours
