@@ -1,0 +1,91 @@
+"""Stalled SSE readers against the real stack: raw sockets that send a streaming request and never
+read. The shim's writes block once the socket buffers are full; after the write timeout it cuts
+each stream off and aborts its generation, so the engine frees the blocks (the aborted counter
+rises, KV usage returns to idle) and the shim's memory stays bounded."""
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import httpx
+import psutil
+import pytest
+
+from tests.e2e.shim_fixtures import KEY, MODEL, metric, start_shim, stop_shim, wait_metric
+
+pytestmark = pytest.mark.e2e
+
+ABORTED = "llm_requests_aborted_total"
+KV = "llm_kv_cache_usage_ratio"
+RUNNING = "llm_num_requests_running"
+WRITE_TIMEOUT = 2.0
+READERS = 6
+# Chat chunks with 20 top logprobs are ~2 KB per token, so each request makes megabytes of SSE:
+# more than the socket buffers hold (~2.5 MB on loopback), so the shim's writes block. 16 choices
+# of 900 tokens are far more than the KV pool holds at once, so every request is still running (or
+# waiting) when its stream is cut, and the abort is what ends it.
+BODY = {"model": MODEL, "messages": [{"role": "user", "content": "tell me everything"}], "n": 16,
+        "max_tokens": 900, "ignore_eos": True, "logprobs": True, "top_logprobs": 20, "stream": True}
+
+
+@pytest.fixture(scope="module")
+def slow_shim(triton_server, tmp_path_factory):
+    s = start_shim(triton_server, tmp_path_factory.mktemp("bp"),
+                   extra_args=("--stream-write-timeout", str(WRITE_TIMEOUT), "--chat-db", ":memory:"))
+    yield s
+    stop_shim(s.proc)
+
+
+def stalled(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect((host, int(port)))
+    data = json.dumps(BODY).encode()
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+              b"Authorization: Bearer %s\r\nContent-Length: %d\r\n\r\n%s" % (KEY.encode(), len(data), data))
+    return s
+
+
+def rss_mb(pid: int) -> float:
+    return psutil.Process(pid).memory_info().rss / 2 ** 20
+
+
+def test_stalled_readers_are_aborted_and_memory_stays_bounded(slow_shim):
+    m = slow_shim.metrics_url
+    assert wait_metric(m, RUNNING, lambda v: v == 0, timeout=60) == 0
+    ref = httpx.post(slow_shim.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                     json={"model": MODEL, "prompt": "reference", "max_tokens": 8, "temperature": 0},
+                     timeout=60).json()["choices"][0]["text"]
+    rss_before = rss_mb(slow_shim.proc.pid)
+    aborted_before = metric(m, ABORTED)
+    start = time.monotonic()
+    socks = [stalled(slow_shim.url) for _ in range(READERS)]
+    peak = rss_before
+    try:
+        deadline = time.monotonic() + 150
+        while metric(m, ABORTED) < aborted_before + READERS and time.monotonic() < deadline:
+            peak = max(peak, rss_mb(slow_shim.proc.pid))
+            time.sleep(0.5)
+        took = time.monotonic() - start
+        aborted = metric(m, ABORTED) - aborted_before
+        assert aborted >= READERS, f"only {aborted} of {READERS} stalled streams were aborted"
+        assert wait_metric(m, KV, lambda v: v == 0, timeout=30) == 0
+        assert wait_metric(m, RUNNING, lambda v: v == 0, timeout=30) == 0
+        # every stalled connection was closed by the shim: draining it ends in EOF
+        for s in socks:
+            s.settimeout(10)
+            while s.recv(1 << 20):
+                pass
+    finally:
+        for s in socks:
+            s.close()
+    print(f"\n{READERS} stalled readers: all aborted after {took:.1f} s; shim RSS "
+          f"{rss_before:.0f} MB -> peak {peak:.0f} MB")
+    assert peak - rss_before < 150, (rss_before, peak)
+    assert "stream aborted" in slow_shim.log()
+    again = httpx.post(slow_shim.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                       json={"model": MODEL, "prompt": "reference", "max_tokens": 8, "temperature": 0},
+                       timeout=60).json()["choices"][0]["text"]
+    assert again == ref
