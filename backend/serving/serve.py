@@ -34,7 +34,8 @@ def start_shim(args: argparse.Namespace, server: TritonServer, workdir: pathlib.
         print("[triton-llm] note: client/shim is not present; serving Triton only", file=sys.stderr)
         return None
     cmd = [sys.executable, "-m", "client.shim", "--triton-grpc", server.grpc_url,
-           "--host", args.host, "--port", str(args.shim_port), "--model-dir", str(server.model_dir)]
+           "--host", args.host, "--port", str(args.shim_port), "--model-dir", str(server.model_dir),
+           "--chat-db", str(workdir / "chat.sqlite")]      # chats outlive a restart (docs/chat.md)
     if args.api_keys:
         cmd += ["--api-keys", args.api_keys]
     log = workdir / "shim.log"

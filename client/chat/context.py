@@ -158,7 +158,7 @@ class ContextBuilder:
         self._locks: dict[str, asyncio.Lock] = {}
 
     async def build(self, tenant: str, conv: Conversation, leaf_id: str) -> ContextResult:
-        path = self.store.path(tenant, conv.id, leaf_id)
+        path = await asyncio.to_thread(self.store.path, tenant, conv.id, leaf_id)
         if not path or path[-1].role != "user":
             raise Invalid("the context is computed for a user message (the one to answer)",
                           "leaf_id")
@@ -197,7 +197,7 @@ class ContextBuilder:
             raise Invalid("the summarize policy needs a model to summarize with", "policy")
         start, summary = 0, None
         for i in range(len(older), 0, -1):           # newest cached summary of a prefix
-            cached = self.store.get_summary(tenant, conv.id, older[i - 1][-1].id)
+            cached = await asyncio.to_thread(self.store.get_summary, tenant, conv.id, older[i - 1][-1].id)
             if cached is not None:
                 start, summary = i, cached[0]
                 break
@@ -211,7 +211,8 @@ class ContextBuilder:
             prompt = self._summary_prompt(summary, older[i:j], room)
             text = await self.complete(prompt, max_tokens=self.summary_tokens, tenant=tenant)
             summary = (text or "").strip() or "(empty summary)"
-            self.store.put_summary(tenant, conv.id, older[j - 1][-1].id, summary, j)
+            await asyncio.to_thread(self.store.put_summary, tenant, conv.id, older[j - 1][-1].id,
+                                    summary, j)
             i = j
         assert summary is not None
         return summary

@@ -1,7 +1,8 @@
 """REST API of the chat page: conversations, their message trees, branches and context windows.
 
 Every route authenticates through ``app.state.authenticate(request) -> tenant`` (the shim's API-key
-check) and passes the tenant to the store, which scopes every query by it. Errors use the OpenAI
+check) and passes the tenant to the store, which scopes every query by it. Store calls run in the
+thread pool (SQLite blocks; the event loop serves token streams). Errors use the OpenAI
 error shape ``{"error": {"message", "type", "param", "code"}}``. See docs/chat.md.
 """
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any, Awaitable, Callable
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
+from starlette.concurrency import run_in_threadpool
 
 from client.chat.context import ContextBuilder
 from client.chat.store import POLICIES, ChatStore, Invalid, NotFound
@@ -82,6 +84,7 @@ def build_router(store: ChatStore, builder: Callable[[], Awaitable[ContextBuilde
     """``await builder()`` returns the ContextBuilder (made lazily: it loads the tokenizer);
     ``await window()`` the context window the page reports as ``max_model_len``."""
     api = APIRouter(prefix="/api")
+    run = run_in_threadpool            # every SQLite call runs off the event loop
 
     def tree(tenant: str, conv_id: str) -> dict:
         conv = store.get_conversation(tenant, conv_id)
@@ -92,9 +95,20 @@ def build_router(store: ChatStore, builder: Callable[[], Awaitable[ContextBuilde
                 "root_ids": roots, "path": path}
 
     async def context_json(tenant: str, conv_id: str, leaf_id: str) -> dict:
-        conv = store.get_conversation(tenant, conv_id)
+        conv = await run(store.get_conversation, tenant, conv_id)
         result = await (await builder()).build(tenant, conv, leaf_id)
         return {**result.to_json(), "params": conv.params}
+
+    async def add_user_message(tenant: str, conv_id: str, previous_leaf: str | None, **fields) -> dict:
+        """Store a user message and compute its context; a message whose context is refused
+        (too long, ...) is taken back, so the leaf stays where it was and nothing dangles."""
+        msg = await run(lambda: store.add_message(tenant, conv_id, role="user", **fields))
+        try:
+            context = await context_json(tenant, conv_id, msg.id)
+        except BaseException:
+            await run(store.retract_message, tenant, conv_id, msg.id, previous_leaf)
+            raise
+        return {"message": msg.to_json(), "context": context}
 
     def autotitle(tenant: str, conv_id: str, content: str) -> None:
         conv = store.get_conversation(tenant, conv_id)
@@ -109,68 +123,72 @@ def build_router(store: ChatStore, builder: Callable[[], Awaitable[ContextBuilde
 
     @api.get("/conversations")
     async def list_conversations(tenant: str = Depends(tenant_of)):
-        return {"data": [c.to_json() for c in store.list_conversations(tenant)]}
+        return {"data": [c.to_json() for c in await run(store.list_conversations, tenant)]}
 
     @api.post("/conversations", status_code=201)
     async def create_conversation(body: ConversationIn | None = None,
                                   tenant: str = Depends(tenant_of)):
         fields = body.fields() if body else {}
         fields.setdefault("keep_turns", config["default_keep_turns"])
-        return store.create_conversation(tenant, **fields).to_json()
+        return (await run(lambda: store.create_conversation(tenant, **fields))).to_json()
 
     @api.get("/conversations/{conv_id}")
     async def get_conversation(conv_id: str, tenant: str = Depends(tenant_of)):
-        return tree(tenant, conv_id)
+        return await run(tree, tenant, conv_id)
 
     @api.patch("/conversations/{conv_id}")
     async def update_conversation(conv_id: str, body: ConversationIn,
                                   tenant: str = Depends(tenant_of)):
-        return store.update_conversation(tenant, conv_id, **body.fields()).to_json()
+        return (await run(lambda: store.update_conversation(tenant, conv_id, **body.fields()))).to_json()
 
     @api.delete("/conversations/{conv_id}", status_code=204)
     async def delete_conversation(conv_id: str, tenant: str = Depends(tenant_of)):
-        store.delete_conversation(tenant, conv_id)
+        await run(store.delete_conversation, tenant, conv_id)
         return Response(status_code=204)
 
     @api.post("/conversations/{conv_id}/messages", status_code=201)
     async def add_message(conv_id: str, body: MessageIn, tenant: str = Depends(tenant_of)):
-        conv = store.get_conversation(tenant, conv_id)
+        conv = await run(store.get_conversation, tenant, conv_id)
         parent_id = body.parent_id if "parent_id" in body.model_fields_set else conv.current_leaf_id
-        msg = store.add_message(tenant, conv_id, role=body.role, content=body.content,
-                                parent_id=parent_id, finish_reason=body.finish_reason,
-                                stopped=body.stopped, stats=body.stats, context=body.context)
-        out: dict = {"message": msg.to_json()}
-        if msg.role == "user":
-            autotitle(tenant, conv_id, msg.content)
-            out["context"] = await context_json(tenant, conv_id, msg.id)
-        return out
+        if body.role == "user":
+            out = await add_user_message(tenant, conv_id, conv.current_leaf_id, content=body.content,
+                                         parent_id=parent_id)
+            await run(autotitle, tenant, conv_id, body.content)
+            return out
+        msg = await run(lambda: store.add_message(
+            tenant, conv_id, role=body.role, content=body.content, parent_id=parent_id,
+            finish_reason=body.finish_reason, stopped=body.stopped, stats=body.stats,
+            context=body.context))
+        return {"message": msg.to_json()}
 
     @api.get("/conversations/{conv_id}/messages/{msg_id}")
     async def get_message(conv_id: str, msg_id: str, tenant: str = Depends(tenant_of)):
-        return store.get_message(tenant, conv_id, msg_id).to_json()
+        return (await run(store.get_message, tenant, conv_id, msg_id)).to_json()
 
     @api.post("/conversations/{conv_id}/messages/{msg_id}/edit", status_code=201)
     async def edit_message(conv_id: str, msg_id: str, body: EditIn,
                            tenant: str = Depends(tenant_of)):
         """An edit never changes history: it adds a sibling user message (a new branch)."""
-        original = store.get_message(tenant, conv_id, msg_id)
+        conv = await run(store.get_conversation, tenant, conv_id)
+        original = await run(store.get_message, tenant, conv_id, msg_id)
         if original.role != "user":
             raise Invalid("only user messages are edited; regenerate a reply instead", "msg_id")
-        msg = store.add_message(tenant, conv_id, role="user", content=body.content,
-                                parent_id=original.parent_id)
-        return {"message": msg.to_json(), "context": await context_json(tenant, conv_id, msg.id)}
+        return await add_user_message(tenant, conv_id, conv.current_leaf_id, content=body.content,
+                                      parent_id=original.parent_id)
 
     @api.get("/conversations/{conv_id}/context")
     async def get_context(conv_id: str, leaf_id: str | None = None,
                           tenant: str = Depends(tenant_of)):
-        leaf_id = leaf_id or store.get_conversation(tenant, conv_id).current_leaf_id
+        leaf_id = leaf_id or (await run(store.get_conversation, tenant, conv_id)).current_leaf_id
         if leaf_id is None:
             raise Invalid("the conversation has no messages yet", "leaf_id")
         return await context_json(tenant, conv_id, leaf_id)
 
     @api.put("/conversations/{conv_id}/leaf")
     async def set_leaf(conv_id: str, body: LeafIn, tenant: str = Depends(tenant_of)):
-        leaf = store.set_leaf(tenant, conv_id, body.message_id, descend=body.descend)
-        return {"current_leaf_id": leaf, "path": [m.id for m in store.path(tenant, conv_id)]}
+        def move() -> dict:
+            leaf = store.set_leaf(tenant, conv_id, body.message_id, descend=body.descend)
+            return {"current_leaf_id": leaf, "path": [m.id for m in store.path(tenant, conv_id)]}
+        return await run(move)
 
     return api

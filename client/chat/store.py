@@ -22,7 +22,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from client.chat.validation import (ALLOWED_PARAMS, POLICIES, Invalid, NotFound,  # noqa: F401 (re-exported)
-                                    validate_settings)
+                                    validate_message, validate_settings)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS conversations (
@@ -115,8 +115,11 @@ class ChatStore:
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._db.row_factory = sqlite3.Row
         self._db.execute("PRAGMA foreign_keys = ON")
+        self._db.execute("PRAGMA busy_timeout = 5000")     # another process (a second shim) writing
         if path != ":memory:":
+            # WAL: readers never block the writer, and a crash loses at most the last transaction
             self._db.execute("PRAGMA journal_mode = WAL")
+            self._db.execute("PRAGMA synchronous = NORMAL")
         self._db.executescript(SCHEMA)
 
     def close(self) -> None:
@@ -184,13 +187,11 @@ class ChatStore:
         """
         if role not in ("user", "assistant"):
             raise Invalid("role must be 'user' or 'assistant'", "role")
-        if not isinstance(content, str):
-            raise Invalid("content must be a string", "content")
+        validate_message(content, stats, context)
         if role == "user" and not content.strip():
             raise Invalid("content must not be empty", "content")
-        for name, value in (("stats", stats), ("context", context)):
-            if value is not None and not isinstance(value, dict):
-                raise Invalid(f"{name} must be an object", name)
+        if finish_reason is not None and (not isinstance(finish_reason, str) or len(finish_reason) > 32):
+            raise Invalid("finish_reason is a short string", "finish_reason")
         with self._lock:
             self.get_conversation(tenant, conv_id)
             if parent_id is None:
@@ -221,6 +222,23 @@ class ChatStore:
                 self._db.execute("ROLLBACK")
                 raise
         return self.get_message(tenant, conv_id, msg_id)
+
+    def retract_message(self, tenant: str, conv_id: str, msg_id: str, leaf_id: str | None) -> None:
+        """Undo ``add_message`` of a message that was refused after it was stored (its context did
+        not fit): delete it (it has no children yet) and make ``leaf_id`` the leaf again."""
+        with self._lock:
+            self.get_conversation(tenant, conv_id)
+            self._db.execute("BEGIN")
+            try:
+                self._db.execute("DELETE FROM messages WHERE id = ? AND conversation_id = ? AND NOT "
+                                 "EXISTS (SELECT 1 FROM messages c WHERE c.conversation_id = ? AND "
+                                 "c.parent_id = ?)", (msg_id, conv_id, conv_id, msg_id))
+                self._db.execute("UPDATE conversations SET current_leaf_id = ? WHERE id = ? AND "
+                                 "tenant = ?", (leaf_id, conv_id, tenant))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
 
     def get_message(self, tenant: str, conv_id: str, msg_id: str) -> Message:
         with self._lock:

@@ -1,7 +1,14 @@
 """What the chat store accepts: conversation settings and the errors it raises (404 / 400)."""
 from __future__ import annotations
 
+import json
+
 POLICIES = ("truncate", "summarize")
+# Size caps: what one request may make the store keep (the shim's body limit bounds the request).
+MAX_TITLE_CHARS = 200
+MAX_SYSTEM_PROMPT_CHARS = 32_000
+MAX_CONTENT_CHARS = 200_000
+MAX_JSON_CHARS = 16_000          # a message's stats / context note, as JSON
 # Sampling fields a conversation may forward to /v1/chat/completions (its "params" setting).
 ALLOWED_PARAMS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "seed": int,
                   "presence_penalty": float, "frequency_penalty": float,
@@ -25,12 +32,16 @@ def validate_settings(fields: dict) -> dict:
     out: dict = {}
     if "title" in fields:
         title = fields["title"]
-        if not isinstance(title, str) or not title.strip() or len(title) > 200:
-            raise Invalid("title must be a non-empty string of at most 200 characters", "title")
+        if not isinstance(title, str) or not title.strip() or len(title) > MAX_TITLE_CHARS:
+            raise Invalid(f"title must be a non-empty string of at most {MAX_TITLE_CHARS} characters",
+                          "title")
         out["title"] = title.strip()
     if "system_prompt" in fields:
         if not isinstance(fields["system_prompt"], str):
             raise Invalid("system_prompt must be a string", "system_prompt")
+        if len(fields["system_prompt"]) > MAX_SYSTEM_PROMPT_CHARS:
+            raise Invalid(f"system_prompt has at most {MAX_SYSTEM_PROMPT_CHARS} characters",
+                          "system_prompt")
         out["system_prompt"] = fields["system_prompt"]
     if "policy" in fields:
         if fields["policy"] not in POLICIES:
@@ -48,6 +59,8 @@ def validate_settings(fields: dict) -> dict:
         out["max_tokens"] = n
     if "params" in fields:
         params = fields["params"]
+        if isinstance(params, dict) and len(params) > len(ALLOWED_PARAMS):
+            raise Invalid("params has too many fields", "params")
         if not isinstance(params, dict):
             raise Invalid("params must be an object", "params")
         for key, value in params.items():
@@ -58,11 +71,32 @@ def validate_settings(fields: dict) -> dict:
             if kind is bool:
                 ok = isinstance(value, bool)
             elif kind is list:
-                ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
+                ok = (isinstance(value, list) and len(value) <= 4
+                      and all(isinstance(v, str) and len(v) <= 256 for v in value))
             else:
                 numeric = (int, float) if kind is float else (int,)
-                ok = isinstance(value, numeric) and not isinstance(value, bool)
+                ok = (isinstance(value, numeric) and not isinstance(value, bool)
+                      and -(2 ** 63) <= value < 2 ** 63 and value == value)
             if not ok:
                 raise Invalid(f"params.{key} must be of type {kind.__name__}", "params")
         out["params"] = dict(params)
     return out
+
+
+def validate_message(content, stats, context) -> None:
+    """Size and type caps of a message (roles and the tree are the store's to check)."""
+    if not isinstance(content, str):
+        raise Invalid("content must be a string", "content")
+    if len(content) > MAX_CONTENT_CHARS:
+        raise Invalid(f"content has at most {MAX_CONTENT_CHARS} characters", "content")
+    for name, value in (("stats", stats), ("context", context)):
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            raise Invalid(f"{name} must be an object", name)
+        try:
+            size = len(json.dumps(value, allow_nan=False))
+        except (TypeError, ValueError):
+            raise Invalid(f"{name} must be plain JSON", name) from None
+        if size > MAX_JSON_CHARS:
+            raise Invalid(f"{name} has at most {MAX_JSON_CHARS} characters of JSON", name)
