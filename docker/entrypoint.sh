@@ -8,7 +8,9 @@
 #   HTTP_PORT / GRPC_PORT / METRICS_PORT                                        8000 / 8001 / 8002
 #   SHIM_PORT        OpenAI shim in this container (0 = run it as its own service)  0
 #   ENGINE_OPTIONS   space-separated KEY=VALUE engine options (backend/config.py EngineArgs)
-#   API_KEYS_FILE    API keys for an in-container shim (KEY[:TENANT] per line)
+#   API_KEYS_FILE    API keys for an in-container shim (KEY[:TENANT] per line; or env
+#                    TRITON_LLM_API_KEYS); with SHIM_PORT set and no keys it refuses to start
+#   INSECURE_NO_API_KEYS  1: run an in-container shim without API keys anyway
 #   WORKDIR          generated model repository and logs                        /tmp/triton-llm
 #
 # `exec` makes the launcher the child of the init process (tini, or compose `init: true`), so
@@ -39,6 +41,12 @@ for opt in ${ENGINE_OPTIONS:-}; do
 done
 if [ -n "${API_KEYS_FILE:-}" ]; then
   args+=(--api-keys "$API_KEYS_FILE")
+elif [ "${SHIM_PORT:-0}" != "0" ] && [ -z "${TRITON_LLM_API_KEYS:-}" ] \
+     && [ "${INSECURE_NO_API_KEYS:-0}" != "1" ]; then
+  # A shim in a container is meant to be reached from outside: never open by accident.
+  echo "[entrypoint] SHIM_PORT is set but no API keys are: set API_KEYS_FILE or TRITON_LLM_API_KEYS" \
+       "(KEY[:TENANT],...), or INSECURE_NO_API_KEYS=1 to serve without authentication" >&2
+  exit 2
 fi
 echo "[entrypoint] triton-llm ${args[*]}"
 exec triton-llm "${args[@]}"

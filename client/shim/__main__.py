@@ -16,7 +16,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = settings_from_args(args)
-    app = create_app(settings)
+    try:
+        app = create_app(settings)
+    except ValueError as exc:                   # a bad keys file, or keys required and none given
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level,
                 timeout_graceful_shutdown=5)
     return 0

@@ -12,6 +12,7 @@ from client.shim.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_PROMPT_CHARS_PER_
 from client.shim.tenants import KeyPolicy, as_policy, default_tenant, parse_key_entry  # noqa: F401
 
 KEYS_ENV = "TRITON_LLM_API_KEYS"
+INSECURE_ENV = "TRITON_LLM_INSECURE_NO_API_KEYS"   # "1": --insecure-no-api-keys (compose sets it)
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # `triton-llm serve` passes its own work directory's chat.sqlite; this is the same file for the
 # default work directory (backend/serving/serve.py), so a restart finds the conversations again.
@@ -35,6 +36,8 @@ class ShimSettings:
     chat_db_path: str | None = None        # read by the chat page (client/chat): its session store
                                            # (None: in memory; the command line defaults to a file)
     chat_keep_turns: int | None = None     # read by the chat page: default turns kept
+    require_api_keys: bool = False         # refuse to start with no keys (compose, public deployments)
+    insecure_no_api_keys: bool = False     # ... unless the operator says so explicitly
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES   # larger request bodies: 413 before parsing
     prompt_chars_per_token: int = DEFAULT_PROMPT_CHARS_PER_TOKEN   # prompt cap: this x the window
     stream_write_timeout_s: float = 30.0   # an SSE client that takes no bytes this long is cut off
@@ -91,14 +94,24 @@ def parse_key_lines(lines) -> dict[str, KeyPolicy]:
     return keys
 
 
+class MissingAPIKeys(ValueError):
+    """``require_api_keys`` and no key configured (the shim refuses to start)."""
+
+
 def load_keys(settings: ShimSettings) -> dict[str, KeyPolicy]:
-    """Keys from ``api_keys`` + the key file + env TRITON_LLM_API_KEYS (comma-separated)."""
+    """Keys from ``api_keys`` + the key file + env TRITON_LLM_API_KEYS (comma-separated).
+    Raises MissingAPIKeys when keys are required, none are given and open mode was not asked for."""
     keys = {k: as_policy(k, v) for k, v in settings.api_keys.items()}
     if settings.api_keys_file:
         keys.update(parse_key_lines(pathlib.Path(settings.api_keys_file).read_text().splitlines()))
     env = os.environ.get(KEYS_ENV, "")
     if env.strip():
         keys.update(parse_key_lines(env.split(",")))
+    insecure = settings.insecure_no_api_keys or os.environ.get(INSECURE_ENV, "").strip() == "1"
+    if not keys and settings.require_api_keys and not insecure:
+        raise MissingAPIKeys(f"no API keys configured: give --api-keys FILE or {KEYS_ENV}=KEY[:TENANT],... "
+                             f"(or, to serve without authentication, --insecure-no-api-keys / "
+                             f"{INSECURE_ENV}=1)")
     return keys
 
 
@@ -109,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=9000)
     p.add_argument("--api-keys", default=None, help=f"file of `KEY[:TENANT] [priority=P] [max_concurrent=N]` lines (also env {KEYS_ENV})")
+    p.add_argument("--require-api-keys", action="store_true",
+                   help="refuse to start without API keys (unless --insecure-no-api-keys)")
+    p.add_argument("--insecure-no-api-keys", action="store_true",
+                   help=f"serve without authentication even with --require-api-keys (also env {INSECURE_ENV}=1)")
     p.add_argument("--model-dir", default=None, help="the served checkpoint (its tokenizer counts the chat page's tokens)")
     p.add_argument("--model-name", default=None, help="model id clients send (default: the directory's name)")
     p.add_argument("--allow-shared-prefix", action="store_true",
@@ -137,4 +154,6 @@ def settings_from_args(args: argparse.Namespace) -> ShimSettings:
                         max_model_len=args.max_model_len, chat_db_path=args.chat_db,
                         chat_keep_turns=args.chat_keep_turns, max_body_bytes=args.max_body_bytes,
                         prompt_chars_per_token=args.prompt_chars_per_token,
-                        stream_write_timeout_s=args.stream_write_timeout)
+                        stream_write_timeout_s=args.stream_write_timeout,
+                        require_api_keys=args.require_api_keys,
+                        insecure_no_api_keys=args.insecure_no_api_keys)

@@ -279,3 +279,65 @@ def test_commands_match_the_real_command_lines(compose):
     assert "--model" in flags and set(flags) <= set(sample), flags
     ns = cli_parser().parse_args(["serve", *[x for f in sorted(set(flags)) for x in (f, sample[f])]])
     assert ns.command == "serve" and ns.engine_option == ["device=cuda"]
+
+
+# --- no open doors by default -----------------------------------------------------------------
+
+def test_compose_shim_requires_api_keys(compose, tmp_path):
+    """The compose shim runs with --require-api-keys: with API_KEYS empty it exits at once with a
+    clear error, unless INSECURE_NO_API_KEYS=1 says to serve without authentication."""
+    import os
+    import sys
+
+    shim = compose["services"]["shim"]
+    assert "--require-api-keys" in shim["command"]
+    assert shim["environment"]["TRITON_LLM_INSECURE_NO_API_KEYS"] == "${INSECURE_NO_API_KEYS:-0}"
+    args = [expand(a) for a in shim["command"]] + ["--chat-db", ":memory:", "--port", "0"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRITON_LLM_")}
+    env["TRITON_LLM_API_KEYS"] = expand(shim["environment"]["TRITON_LLM_API_KEYS"])
+    env["TRITON_LLM_INSECURE_NO_API_KEYS"] = expand(shim["environment"]["TRITON_LLM_INSECURE_NO_API_KEYS"])
+    r = subprocess.run([sys.executable, "-m", "client.shim", *args], env=env, cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "no API keys configured" in r.stderr, r.stderr
+    for extra in ({"TRITON_LLM_API_KEYS": "sk-1:acme"}, {"TRITON_LLM_INSECURE_NO_API_KEYS": "1"}):
+        proc = subprocess.Popen([sys.executable, "-m", "client.shim", *args], env={**env, **extra},
+                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            with pytest.raises(subprocess.TimeoutExpired):   # it stays up (serving)
+                proc.wait(timeout=8)
+        finally:
+            proc.kill()
+            proc.wait()
+
+
+def test_entrypoint_refuses_an_open_in_container_shim(tmp_path):
+    import os
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "triton-llm").write_text('#!/bin/sh\necho "launcher $*"\n')
+    (fake_bin / "triton-llm").chmod(0o755)
+    env = {"PATH": f"{fake_bin}:{os.environ['PATH']}", "MODEL_DIR": str(model), "SHIM_PORT": "9000"}
+
+    def run(**extra):
+        return subprocess.run(["bash", str(DOCKER / "entrypoint.sh")], env={**env, **extra},
+                              capture_output=True, text=True, timeout=30)
+    r = run()
+    assert r.returncode == 2 and "no API keys" in r.stderr
+    for extra in ({"INSECURE_NO_API_KEYS": "1"}, {"TRITON_LLM_API_KEYS": "sk-1"},
+                  {"API_KEYS_FILE": "/keys"}, {"SHIM_PORT": "0"}):
+        r = run(**extra)
+        assert r.returncode == 0 and "launcher serve" in r.stdout, (extra, r.stderr)
+    assert "--api-keys /keys" in run(API_KEYS_FILE="/keys").stdout
+
+
+def test_grafana_password_and_triton_ports(compose):
+    pw = compose["services"]["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"]
+    assert pw.startswith("${GRAFANA_ADMIN_PASSWORD:?"), "no default admin password"
+    for port in compose["services"]["triton"]["ports"]:
+        assert port.startswith("127.0.0.1:"), f"Triton port {port} must publish on loopback only"
+    for name in ("prometheus",):
+        assert all(p.startswith("127.0.0.1:") for p in compose["services"][name]["ports"])
