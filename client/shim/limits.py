@@ -1,7 +1,8 @@
 """Bounds on what one request may make the shim do, checked before the work they bound.
 
     BodyLimit (ASGI middleware)   the request body: Content-Length checked before reading, the bytes
-                                  counted while reading; 413 before JSON parsing, auth or routing
+                                  counted while reading; 413 before JSON parsing, auth or routing;
+                                  a lone surrogate escape (not encodable text) is a 400 there too
     schemas.py (pydantic Fields)  n, the prompt list, integers (int64 and each one's range), stop
                                   strings: a 400 before any choice array or gRPC stream exists
     check_prompt_chars            prompt characters against a multiple of the context window,
@@ -12,6 +13,7 @@ A bad request costs the shim at most one body of ``max_body_bytes`` and a pydant
 from __future__ import annotations
 
 import json
+import re
 
 from client.shim.errors import OpenAIError, invalid
 
@@ -68,6 +70,10 @@ class BodyLimit:
             chunks.append(body)
             if not message.get("more_body", False):
                 break
+        if has_lone_surrogate(b"".join(chunks)):
+            await _send_error(send, invalid("The request body has a lone UTF-16 surrogate escape "
+                                            "(\\uD800-\\uDFFF without its pair): not valid Unicode."))
+            return
         replayed = False
 
         async def replay():
@@ -78,6 +84,34 @@ class BodyLimit:
             return await receive()
 
         await self.app(scope, replay, send)
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def has_lone_surrogate(body: bytes) -> bool:
+    """A JSON body whose strings hold an unpaired surrogate (``"\\ud800"``): valid JSON, but not
+    text that UTF-8 (gRPC, SQLite, the tokenizer) can carry. Parsed only when an escape is there."""
+    if not _SURROGATE_ESCAPE.search(body):
+        return False
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError):
+        return False                                # not JSON (or too deep): the app answers that
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return False
 
 
 def _content_length(scope) -> int | None:

@@ -130,3 +130,23 @@ def test_client_library_refuses_integers_past_int64():
             to_parameters({name: value})
         assert ei.value.param == name
     assert to_parameters({"seed": 2 ** 63 - 1}) == {"seed": 2 ** 63 - 1}
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", b'{"model": "tiny", "prompt": "\\ud800x", "max_tokens": 2}'),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udfff"}]}'),
+    ("/v1/completions", b'{"model": "\\ud800", "prompt": "x"}'),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "stop": ["\\uDBFF"]}'),
+    ("/api/conversations", b'{"title": "\\ud800"}'),
+    ("/v1/completions", b'{"model": "tiny", "prompt": ' + b"[" * 30000 + b"]" * 30000 + b"}"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "\xff\xfe"}'),
+])
+def test_unencodable_or_unparsable_bodies_are_400(url, fake, path, body):
+    """Valid JSON that is not valid Unicode (a lone surrogate escape) once made a 500 in the gRPC
+    client, the error body or SQLite; too deep or not UTF-8 at all is a parse error."""
+    calls = len(fake.calls)
+    error(httpx.post(url + path, content=body, headers={**H, "content-type": "application/json"}), 400)
+    assert len(fake.calls) == calls
+    ok = b'{"model": "tiny", "prompt": "\\ud83d\\ude00", "max_tokens": 1}'     # a proper pair
+    r = httpx.post(url + "/v1/completions", content=ok, headers={**H, "content-type": "application/json"})
+    assert r.status_code == 200 and fake.calls[-1]["prompt"] == "\U0001F600"
