@@ -5,7 +5,7 @@ Workload (seeded, identical for both): prompts uniform in 16-256 tokens, outputs
 mean 64 capped at 256, greedy, ``ignore_eos``; /v1/completions streamed (both servers speak it; no
 chat template, which they would render differently). 64 requests at 16 streams, 16 at 1 stream
 (times ``--scale``). llama.cpp runs ``-np`` = the largest stream count, ``-t`` = all cores,
-continuous batching; ours is the launcher's stack through the OpenAI shim with ``load/stack.py``'s
+continuous batching, its KV cache in the run's dtype (``-ctk/-ctv``; its default would be f16); ours is the launcher's stack through the OpenAI shim with ``load/stack.py``'s
 options for the preset and ``dtype`` set to the run's.
 
 Output tok/s counts requested (= generated, with ignore_eos) tokens over the point's wall time.
@@ -69,7 +69,7 @@ async def run_peers(args, bench_point) -> dict:
             res = out[name][dtype] = {}
             if PEER in args.contenders:
                 gguf = convert_to_gguf(model_dir, dtype)
-                with LlamaServer(gguf, parallel=max(args.streams)) as srv:
+                with LlamaServer(gguf, parallel=max(args.streams), dtype=dtype) as srv:
                     res[PEER] = await _points(CompletionsBackend(srv.url, label=PEER), name, dtype, args.streams,
                                               args.scale, bench_point)
             if OURS in args.contenders:
