@@ -93,25 +93,39 @@ class Grammars:
         return self._compiler
 
 
+# xgrammar 0.2.9 writes a length-bounded JSON string (maxLength / minLength) as characters of
+# [^"\\\r\n], which lets raw control characters (U+0000..U+001F) through: invalid JSON that
+# json.loads refuses (random weights emit them). The unbounded string rule already excludes them,
+# so the bounded one is patched to match before compiling.
+_BOUNDED_CHARS = '[^\\"\\\\\\r\\n]'
+_JSON_CHARS = '[^\\0-\\x1f\\"\\\\\\r\\n]'
+
+
+def _json_safe(grammar):
+    import xgrammar as xgr
+    ebnf = str(grammar)
+    return xgr.Grammar.from_ebnf(ebnf.replace(_BOUNDED_CHARS, _JSON_CHARS)) if _BOUNDED_CHARS in ebnf else grammar
+
+
 def _compile(compiler, spec: StructuredSpec):
+    import xgrammar as xgr
     # any_whitespace=False: compact JSON (", " and ": "). With free whitespace a model (random
     # weights certainly) may emit spaces forever and never reach the end of the object.
     if spec.kind == "json_schema":
-        return compiler.compile_json_schema(spec.value, any_whitespace=False, strict_mode=True)
+        grammar = xgr.Grammar.from_json_schema(spec.value, any_whitespace=False, strict_mode=True)
+        return compiler.compile_grammar(_json_safe(grammar))
     if spec.kind == "json_object":
         return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
     if spec.kind == "regex":
         return compiler.compile_regex(spec.value)
     if spec.kind == "choice":
-        import xgrammar as xgr
         options = json.loads(spec.value)
-        ebnf = "root ::= " + " | ".join(json.dumps(o) for o in options)
-        return compiler.compile_grammar(xgr.Grammar.from_ebnf(ebnf))
+        return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(o) for o in options))
     if spec.kind == "grammar":
         return compiler.compile_grammar(spec.value)
     if spec.kind == "tool_calls":
         from backend.structured.tool_spec import structural_tag
-        return compiler.compile_structural_tag(structural_tag(spec.value))
+        return compiler.compile_grammar(_json_safe(xgr.Grammar.from_structural_tag(structural_tag(spec.value))))
     raise invalid_request(spec.param, f"unknown structured output kind {spec.kind!r}")
 
 

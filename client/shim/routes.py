@@ -19,6 +19,7 @@ from client.shim.generation import ClientDisconnected, collect, merged, until_di
 from client.shim.limits import check_prompt_chars
 from client.shim.schemas import ChatCompletionRequest, CompletionRequest
 from client.shim.settings import context_window_of
+from client.shim.tools import ToolTally, parses_tool_calls
 from client.shim.streaming import BoundedSSE
 from client.shim.tenants import KeyPolicy, Slot, effective_priority
 
@@ -75,7 +76,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
     client = _state(request).client
     agens = [client.generate(messages=body.messages_json(), request_id=rid, params=params,
                              stream=body.stream)]
-    tally = Tally(chat=True, request_id=rid, model=body.model, num_choices=body.n or 1,
+    tally_type = ToolTally if parses_tool_calls(body) else Tally     # tools: message.tool_calls
+    tally = tally_type(chat=True, request_id=rid, model=body.model, num_choices=body.n or 1,
                   logprobs=bool(body.logprobs), include_usage=body.include_usage)
     return await _respond(request, agens, tally, body.n or 1, body.stream, body.param_names(), slot)
 

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from backend import protocol as P
 from client.shim import limits as L
+from client.shim.tools import structured_params
 
 Int64 = Annotated[int, Field(ge=L.INT64_MIN, le=L.INT64_MAX)]
 Positive = Annotated[int, Field(ge=1, le=L.INT64_MAX)]
@@ -53,6 +54,13 @@ class _Generation(_Body):
     # vLLM's extension: lower = sooner. The key's own priority is the most urgent it may ask for.
     priority: Annotated[int, Field(ge=L.PRIORITY_MIN, le=L.PRIORITY_MAX)] | None = None
     user: str | None = None
+    # Structured outputs (vLLM's guided_* as extras): sent by client/shim/tools.py, checked by the server.
+    response_format: dict[str, Any] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = None
+    guided_json: Union[str, dict[str, Any], None] = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -81,6 +89,7 @@ class _Generation(_Body):
             stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
             if stop:
                 p[P.STOP] = stop
+        p.update(structured_params(self))
         return p
 
 
@@ -88,6 +97,8 @@ class ChatMessage(_Body):
     role: str
     content: Union[str, list[dict[str, Any]], None] = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None      # assistant turns that called tools
+    tool_call_id: str | None = None                     # role "tool": the call it answers
 
 
 class ChatCompletionRequest(_Generation):
@@ -95,6 +106,9 @@ class ChatCompletionRequest(_Generation):
     max_completion_tokens: Positive | None = None
     logprobs: bool | None = None
     top_logprobs: Logprobs | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: bool | None = None
 
     def prompt_chars(self) -> int:
         """Characters of every message's text together (what the chat template will wrap)."""
@@ -113,6 +127,9 @@ class ChatCompletionRequest(_Generation):
             d: dict[str, Any] = {"role": m.role, "content": m.content}
             if m.name is not None:
                 d["name"] = m.name
+            for k in ("tool_calls", "tool_call_id"):
+                if getattr(m, k) is not None:
+                    d[k] = getattr(m, k)
             out.append(d)
         return out
 

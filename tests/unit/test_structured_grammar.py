@@ -194,3 +194,14 @@ def test_grammar_end_finishes_with_stop(grammars, vocab):
     seq2 = _Seq(SamplingParams(), g)
     seq2.grammar.advance(seq2, 0)                 # refused: the choice ends with an internal error
     assert seq2.finish_reason == "error" and seq2.error.kind.value == "internal"
+
+
+def test_bounded_strings_refuse_raw_control_characters(grammars):
+    """xgrammar 0.2.9 lets U+0000..U+001F into maxLength strings (invalid JSON); compiler.py
+    patches the rule, so only escaped forms are possible."""
+    g = grammars.compile(StructuredSpec.json(SCHEMA))
+    assert not xgr.GrammarMatcher(g.compiled).accept_string('{"a": "\x0f')
+    assert xgr.GrammarMatcher(g.compiled).accept_string('{"a": "ok", "b": true}')
+    unpatched = xgr.GrammarCompiler(g.compiled.tokenizer_info)
+    raw = unpatched.compile_json_schema(json.dumps(SCHEMA), any_whitespace=False)
+    assert xgr.GrammarMatcher(raw).accept_string('{"a": "\x0f')      # the upstream behaviour it fixes
