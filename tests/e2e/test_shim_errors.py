@@ -137,3 +137,24 @@ def test_429_with_retry_after_when_the_queue_is_full(tmp_path):
             for t in threads:
                 t.join(timeout=60)
             stop_shim(s.proc)
+
+
+def test_issue_19_requests_are_quick_400s(shim):
+    """Measured in issue 19: ``n: 1000000000`` made the shim hang and grow to 23 GB (a choice
+    array built before the server could refuse), ``max_tokens: 2**63`` was a bare 500 (the gRPC
+    library's int64). Both are now 400s from the shim, at once, naming the field."""
+    import psutil
+
+    rss = psutil.Process(shim.proc.pid).memory_info().rss
+    h = {"Authorization": f"Bearer {KEY}"}
+    for path, body in (("/v1/chat/completions", {"messages": CHAT}), ("/v1/completions", {"prompt": "hi"})):
+        for field, value in (("n", 1_000_000_000), ("max_tokens", 2 ** 63), ("seed", 2 ** 64),
+                             ("top_k", 2 ** 63), ("logprobs", 10 ** 6) if "prompt" in body else
+                             ("top_logprobs", 10 ** 6)):
+            for stream in (False, True):
+                start = time.monotonic()
+                r = httpx.post(shim.url + path, headers=h, timeout=30,
+                               json={"model": MODEL, **body, field: value, "stream": stream})
+                assert time.monotonic() - start < 2
+                assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    assert psutil.Process(shim.proc.pid).memory_info().rss - rss < 50 * 2 ** 20
