@@ -4,7 +4,8 @@ same dtype, same workload, one after the other in one invocation.
 Workload (seeded, identical for both): prompts uniform in 16-256 tokens, outputs exponential with
 mean 64 capped at 256, greedy, ``ignore_eos``; /v1/completions streamed (both servers speak it; no
 chat template, which they would render differently). 64 requests at 16 streams, 16 at 1 stream
-(times ``--scale``). llama.cpp runs ``-np`` = the largest stream count, ``-t`` = all cores,
+(times ``--scale``). llama.cpp runs ``-np`` = the largest stream count, ``-t`` = all cores (or
+``--peer-threads``; give ours the same with ``--engine-option num_threads=N``),
 continuous batching, its KV cache in the run's dtype (``-ctk/-ctv``; its default would be f16); ours is the launcher's stack through the OpenAI shim with ``load/stack.py``'s
 options for the preset and ``dtype`` set to the run's.
 
@@ -69,7 +70,7 @@ async def run_peers(args, bench_point) -> dict:
             res = out[name][dtype] = {}
             if PEER in args.contenders:
                 gguf = convert_to_gguf(model_dir, dtype)
-                with LlamaServer(gguf, parallel=max(args.streams), dtype=dtype) as srv:
+                with LlamaServer(gguf, parallel=max(args.streams), dtype=dtype, threads=args.peer_threads) as srv:
                     res[PEER] = await _points(CompletionsBackend(srv.url, label=PEER), name, dtype, args.streams,
                                               args.scale, bench_point)
             if OURS in args.contenders:

@@ -310,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtypes", nargs="+", default=["float32"], help="peers: float32 and/or bfloat16")
     p.add_argument("--contenders", nargs="+", default=["llama.cpp", "ours"], choices=["llama.cpp", "ours"],
                    help="peers: which servers run")
+    p.add_argument("--peer-threads", type=int, default=None, help="peers: llama.cpp -t (default: all cores)")
     p.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
     command = "python -m load.suites " + " ".join(sys.argv[1:] if argv is None else argv)
