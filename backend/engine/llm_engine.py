@@ -123,7 +123,10 @@ class LLMEngine:
         out = self.scheduler.schedule()
         self.stats_recorder.record_schedule(out)
         if out.scheduled:
+            t0 = time.perf_counter()
             logits = self.runner.execute(build_batch(out.scheduled, self.kv, self.device))
+            if self.speculator is not None and out.num_batched_tokens == len(out.sampling) + out.num_drafts:
+                self.speculator.observe(out.num_drafts > 0, time.perf_counter() - t0)
             if out.num_drafts:
                 tokens, logprobs = verify(self.sampler, logits, out.sampling, out.logit_rows)
             else:

@@ -111,6 +111,7 @@ class Sequence:
         self.num_drafted = 0       # draft tokens verified for this choice (all steps)
         self.num_accepted = 0      # of those, accepted
         self.num_spec_steps = 0    # steps that verified drafts for this choice
+        self.spec_policy = None    # the speculator's per-choice back-off state (backend/spec)
 
     def __lt__(self, other: "Sequence") -> bool:     # heap order: priority, then arrival
         return self.sort_key < other.sort_key

@@ -8,7 +8,8 @@ Given as a dict (``LLM(..., speculative_config={...})``) or as its JSON text (a 
 ``model`` means ``draft_model``, and the n-gram window defaults to 5..5 when neither bound is set
 (one bound given: the other equals it). ``disable_by_batch_size`` (vLLM's name) is the back-off:
 no speculation while that many sequences run, because a batch that large is no longer limited
-by reading the weights, so extra query tokens stop being free.
+by reading the weights, so extra query tokens stop being free. ``min_accepted_tokens`` (ours, not
+vLLM's) sets the per-sequence back-off: see backend/spec/speculator.py.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 5
     model: str | None = None                 # draft_model: a checkpoint with the target's tokenizer
     disable_by_batch_size: int = 8           # back-off: plain decoding at >= this many running
+    min_accepted_tokens: float | None = None  # per-sequence back-off threshold; None = measured (speculator.py)
 
     @classmethod
     def parse(cls, value: Any) -> "SpeculativeConfig | None":
@@ -57,6 +59,9 @@ class SpeculativeConfig:
         for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"):
             if key in d and (not isinstance(d[key], int) or isinstance(d[key], bool) or d[key] < 1):
                 raise ValueError(f"speculative_config.{key} must be a positive integer, got {d[key]!r}")
+        m = d.get("min_accepted_tokens")
+        if m is not None and (not isinstance(m, (int, float)) or isinstance(m, bool) or not 0 <= m <= 32):
+            raise ValueError(f"speculative_config.min_accepted_tokens must be a number in [0, 32], got {m!r}")
         if "num_speculative_tokens" not in d:
             raise ValueError("speculative_config.num_speculative_tokens is required")
         if d["num_speculative_tokens"] > 32:
