@@ -147,6 +147,7 @@ class TritonLLMClient:
         self._verbose = verbose
         self._grpc = None
         self._aborts: set[asyncio.Task] = set()
+        self._ending: set[asyncio.Task] = set()     # finished streams waiting for Triton's end
 
     def _client(self):
         if self._grpc is None:
@@ -157,6 +158,10 @@ class TritonLLMClient:
 
     async def close(self) -> None:
         await self.wait_aborts()
+        if self._ending:
+            _, stuck = await asyncio.wait(list(self._ending), timeout=2.0)
+            for task in stuck:
+                task.cancel()
         if self._grpc is not None:
             grpc, self._grpc = self._grpc, None
             await grpc.close()
@@ -245,11 +250,38 @@ class TritonLLMClient:
                     finished.add(chunk.index)
                 yield chunk
         finally:
-            closed.set()
+            closed.set()                        # half-close: Triton ends the RPC once FINAL is out
             if call is not None:
-                call.cancel()
+                if len(finished) < n:
+                    call.cancel()
+                else:
+                    # Never cancel a finished stream: Triton 2.51's gRPC front end can leak a
+                    # completed request whose RPC is cancelled as its last write completes (the
+                    # `llm` ensemble then never unloads; issue 19). Wait for the server's end.
+                    self._track(self._end_call(call), self._ending)
             if len(finished) < n and admitted:
                 self._spawn_abort(rid)
+
+    @staticmethod
+    async def _end_call(call, timeout: float = ABORT_TIMEOUT) -> None:
+        try:
+            async def rest() -> None:
+                async for _ in call:
+                    pass
+            await asyncio.wait_for(rest(), timeout)
+        except BaseException:                   # noqa: BLE001 -- stuck or torn down: cancel after all
+            call.cancel()
+
+    @staticmethod
+    def _track(coro, tasks: set) -> None:
+        """Run a cleanup coroutine in the background without awaiting (``close`` waits)."""
+        try:
+            task = asyncio.get_running_loop().create_task(coro)
+        except RuntimeError:                    # no loop (interpreter shutdown)
+            coro.close()
+            return
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
 
     def _spawn_abort(self, request_id: str) -> None:
         """Fire-and-forget explicit abort (safe inside a cancelled task: it does not await)."""
