@@ -77,7 +77,8 @@ def create_app(settings: ShimSettings | None = None, *, client=None) -> FastAPI:
 
     app.state.complete = complete
     install_handlers(app)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)   # 413 before parsing or auth
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes,   # 413 before parsing or auth
+                       timeout=settings.body_timeout_s)
     app.include_router(router)
     try:
         import client.chat as chat_page

@@ -2,6 +2,7 @@
 
     BodyLimit (ASGI middleware)   the request body: Content-Length checked before reading, the bytes
                                   counted while reading; 413 before JSON parsing, auth or routing;
+                                  408 when it trickles in for longer than the body timeout;
                                   a lone surrogate escape (not encodable text) is a 400 there too
     schemas.py (pydantic Fields)  n, the prompt list, integers (int64 and each one's range), stop
                                   strings: a 400 before any choice array or gRPC stream exists
@@ -15,9 +16,12 @@ from __future__ import annotations
 import json
 import re
 
+import anyio
+
 from client.shim.errors import OpenAIError, invalid
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+DEFAULT_BODY_TIMEOUT_S = 30.0   # the whole body must arrive within this (408 otherwise)
 # The longest prompt (all chat message text together) in characters, as a multiple of the context
 # window in tokens. A token is rarely longer than a few characters, so a prompt longer than this
 # cannot fit anyway; the cap bounds the tokenizer's work on one request.
@@ -46,8 +50,9 @@ class BodyLimit:
     counted as it arrives and refused as soon as it passes the limit. The app then receives the
     buffered body in one message, and later ``receive()`` calls go to the server (disconnects)."""
 
-    def __init__(self, app, max_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
-        self.app, self.max_bytes = app, int(max_bytes)
+    def __init__(self, app, max_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 timeout: float = DEFAULT_BODY_TIMEOUT_S) -> None:
+        self.app, self.max_bytes, self.timeout = app, int(max_bytes), float(timeout)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope.get("method") in ("GET", "HEAD", "OPTIONS"):
@@ -57,19 +62,19 @@ class BodyLimit:
         if declared is not None and declared > self.max_bytes:
             await _send_error(send, too_large(self.max_bytes))
             return
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return                              # the client left before sending its body
-            body = message.get("body", b"")
-            size += len(body)
-            if size > self.max_bytes:
-                await _send_error(send, too_large(self.max_bytes))
-                return
-            chunks.append(body)
-            if not message.get("more_body", False):
-                break
+        chunks: list[bytes] = []
+        with anyio.move_on_after(self.timeout) as deadline:      # a body trickled in forever
+            outcome = await self._read(receive, chunks)
+        if deadline.cancelled_caught:
+            outcome = "slow"
+        if outcome == "gone":
+            return                                  # the client left before sending its body
+        if outcome in ("large", "slow"):
+            err = too_large(self.max_bytes) if outcome == "large" else OpenAIError(
+                408, f"The request body did not arrive within {self.timeout:g} s.",
+                "invalid_request_error", None, "request_timeout", {"Connection": "close"})
+            await _send_error(send, err)
+            return
         if has_lone_surrogate(b"".join(chunks)):
             await _send_error(send, invalid("The request body has a lone UTF-16 surrogate escape "
                                             "(\\uD800-\\uDFFF without its pair): not valid Unicode."))
@@ -84,6 +89,21 @@ class BodyLimit:
             return await receive()
 
         await self.app(scope, replay, send)
+
+    async def _read(self, receive, chunks: list[bytes]) -> str:
+        """Receive the body into ``chunks``: "ok", "large" (past max_bytes) or "gone"."""
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return "gone"
+            body = message.get("body", b"")
+            size += len(body)
+            if size > self.max_bytes:
+                return "large"
+            chunks.append(body)
+            if not message.get("more_body", False):
+                return "ok"
 
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")

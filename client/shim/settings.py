@@ -8,7 +8,8 @@ import pathlib
 from dataclasses import dataclass, field
 
 from client.errors import UnavailableError
-from client.shim.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_PROMPT_CHARS_PER_TOKEN
+from client.shim.limits import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES,
+                                DEFAULT_PROMPT_CHARS_PER_TOKEN)
 from client.shim.tenants import KeyPolicy, as_policy, default_tenant, parse_key_entry  # noqa: F401
 
 KEYS_ENV = "TRITON_LLM_API_KEYS"
@@ -39,6 +40,7 @@ class ShimSettings:
     require_api_keys: bool = False         # refuse to start with no keys (compose, public deployments)
     insecure_no_api_keys: bool = False     # ... unless the operator says so explicitly
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES   # larger request bodies: 413 before parsing
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S # a body still arriving after this: 408
     prompt_chars_per_token: int = DEFAULT_PROMPT_CHARS_PER_TOKEN   # prompt cap: this x the window
     stream_write_timeout_s: float = 30.0   # an SSE client that takes no bytes this long is cut off
 

@@ -150,3 +150,21 @@ def test_unencodable_or_unparsable_bodies_are_400(url, fake, path, body):
     ok = b'{"model": "tiny", "prompt": "\\ud83d\\ude00", "max_tokens": 1}'     # a proper pair
     r = httpx.post(url + "/v1/completions", content=ok, headers={**H, "content-type": "application/json"})
     assert r.status_code == 200 and fake.calls[-1]["prompt"] == "\U0001F600"
+
+
+def test_a_trickling_body_is_408(fake):
+    """A client that never finishes its body (slowloris) holds nothing past the body timeout."""
+    import socket
+
+    from client.shim.background import BackgroundServer
+
+    settings = ShimSettings(model_name="tiny", api_keys={KEY: "acme"}, body_timeout_s=1.0)
+    with BackgroundServer(create_app(settings, client=fake)) as srv:
+        with socket.create_connection((srv.host, srv.port)) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 1000\r\n\r\n{\"model\": ")
+            s.settimeout(10)
+            start = time.monotonic()
+            answer = s.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer
+            assert 0.5 < time.monotonic() - start < 5
