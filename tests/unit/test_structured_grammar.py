@@ -144,7 +144,7 @@ def test_batch_bitmask_equals_xgrammar_matcher_and_leaves_others_alone(grammars,
         s1.grammar.advance(s1, t)
     rows = [free, s1, s2]
     logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))
-    out = apply_constraints(logits, rows)
+    out = apply_constraints(logits.clone(), rows)
     assert torch.equal(out[0], logits[0])                          # unconstrained row: untouched
     for i, (g, toks) in ((1, (g1, path)), (2, (g2, []))):
         ref = _reference_mask(g.compiled, toks, vocab)
@@ -179,7 +179,7 @@ def test_logit_bias_adds_to_the_row():
     logits = torch.zeros(2, 8)
     out = apply_constraints(logits, [_Seq(SamplingParams()), seq])
     assert out[0].tolist() == [0.0] * 8
-    assert out[1].tolist() == [0, 5, 0, -100, 0, 0, 0, 0] and logits.abs().sum() == 0
+    assert out[1].tolist() == [0, 5, 0, -100, 0, 0, 0, 0]
 
 
 def test_grammar_end_finishes_with_stop(grammars, vocab):
