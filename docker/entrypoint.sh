@@ -4,7 +4,8 @@
 #
 #   MODEL_DIR        Hugging Face checkpoint directory (a mounted volume)       /models/model
 #   MODEL_PRESET     if MODEL_DIR has no config.json, make this preset there    (unset: fail)
-#   HOST             address for every port (loopback outside a container)     0.0.0.0
+#   HOST             address of an in-container shim (loopback outside a container)  0.0.0.0
+#   EXPOSE_TRITON    1: Triton's ports bind HOST too (they have no API keys); else loopback
 #   HTTP_PORT / GRPC_PORT / METRICS_PORT                                        8000 / 8001 / 8002
 #   SHIM_PORT        OpenAI shim in this container (0 = run it as its own service)  0
 #   ENGINE_OPTIONS   space-separated KEY=VALUE engine options (backend/config.py EngineArgs)
@@ -36,6 +37,9 @@ args=(serve --model "$MODEL_DIR" --host "${HOST:-0.0.0.0}"
       --http-port "${HTTP_PORT:-8000}" --grpc-port "${GRPC_PORT:-8001}"
       --metrics-port "${METRICS_PORT:-8002}" --shim-port "${SHIM_PORT:-0}"
       --workdir "${WORKDIR:-/tmp/triton-llm}")
+if [ "${EXPOSE_TRITON:-0}" = "1" ]; then
+  args+=(--expose-triton)       # compose: the separate shim service reaches triton:8001
+fi
 for opt in ${ENGINE_OPTIONS:-}; do
   args+=(--engine-option "$opt")
 done

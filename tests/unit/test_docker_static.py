@@ -273,12 +273,14 @@ def test_commands_match_the_real_command_lines(compose):
     assert (args.triton_grpc, args.host, args.port, args.model_dir) == ("triton:8001", "0.0.0.0", 9000, "/models")
 
     text = (DOCKER / "entrypoint.sh").read_text()
-    flags = re.findall(r"(--[a-z-]+) ", text[text.index("args=(serve"):text.index('exec triton-llm "${args[@]}"')])
+    flags = re.findall(r"(--[a-z-]+)[ )]", text[text.index("args=(serve"):text.index('exec triton-llm "${args[@]}"')])
     sample = {"--model": "/m", "--host": "0.0.0.0", "--http-port": "1", "--grpc-port": "2", "--metrics-port": "3",
-              "--shim-port": "0", "--workdir": "/w", "--engine-option": "device=cuda", "--api-keys": "/k"}
+              "--shim-port": "0", "--workdir": "/w", "--engine-option": "device=cuda", "--api-keys": "/k",
+              "--expose-triton": None}
     assert "--model" in flags and set(flags) <= set(sample), flags
-    ns = cli_parser().parse_args(["serve", *[x for f in sorted(set(flags)) for x in (f, sample[f])]])
-    assert ns.command == "serve" and ns.engine_option == ["device=cuda"]
+    argv = [x for f in sorted(set(flags)) for x in (f, sample[f]) if x is not None]
+    ns = cli_parser().parse_args(["serve", *argv])
+    assert ns.command == "serve" and ns.engine_option == ["device=cuda"] and ns.expose_triton
 
 
 # --- no open doors by default -----------------------------------------------------------------
@@ -332,6 +334,28 @@ def test_entrypoint_refuses_an_open_in_container_shim(tmp_path):
         r = run(**extra)
         assert r.returncode == 0 and "launcher serve" in r.stdout, (extra, r.stderr)
     assert "--api-keys /keys" in run(API_KEYS_FILE="/keys").stdout
+
+
+def test_triton_binds_loopback_unless_exposed(compose, tmp_path):
+    """The entrypoint passes --expose-triton only for EXPOSE_TRITON=1; compose sets it on purpose
+    (its shim is another service) and still publishes Triton's ports on the host's loopback."""
+    import os
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "triton-llm").write_text('#!/bin/sh\necho "launcher $*"\n')
+    (fake_bin / "triton-llm").chmod(0o755)
+    env = {"PATH": f"{fake_bin}:{os.environ['PATH']}", "MODEL_DIR": str(model)}
+    out = subprocess.run(["bash", str(DOCKER / "entrypoint.sh")], env=env, capture_output=True,
+                         text=True, timeout=30).stdout
+    assert "--expose-triton" not in out and "--host 0.0.0.0" in out
+    out = subprocess.run(["bash", str(DOCKER / "entrypoint.sh")], env={**env, "EXPOSE_TRITON": "1"},
+                         capture_output=True, text=True, timeout=30).stdout
+    assert "--expose-triton" in out
+    assert compose["services"]["triton"]["environment"]["EXPOSE_TRITON"] == "1"
 
 
 def test_grafana_password_and_triton_ports(compose):
