@@ -154,26 +154,27 @@ def convert_to_gguf(model_dir: pathlib.Path, dtype: str = "float32") -> pathlib.
 # --- the server -----------------------------------------------------------------------------------
 
 def server_cmd(binary: pathlib.Path, gguf: pathlib.Path, port: int, *, parallel: int, threads: int,
-               ctx_per_slot: int, dtype: str = "float32") -> list[str]:
-    """``-np`` slots with continuous batching; the context is split evenly between slots. The KV
-    cache takes the run's dtype (llama.cpp's default is f16 whatever the weights; ours stores K/V
-    in the model dtype)."""
-    kv = OUTTYPES[dtype]
+               ctx_per_slot: int, dtype: str = "float32", cache_type: str | None = None) -> list[str]:
+    """``-np`` slots with continuous batching; the context is split evenly between slots. KV cache
+    type: ``cache_type`` (llama.cpp's own default, f16, when None), or ``"same"`` = the weights'."""
+    kv = [] if cache_type is None else ["-ctk", OUTTYPES[dtype] if cache_type == "same" else cache_type,
+                                        "-ctv", OUTTYPES[dtype] if cache_type == "same" else cache_type]
     return [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
             "-np", str(parallel), "-c", str(parallel * ctx_per_slot), "-t", str(threads), "-tb", str(threads),
-            "-ctk", kv, "-ctv", kv, "--cont-batching", "--no-webui"]
+            *kv, "--cont-batching", "--no-webui"]
 
 
 class LlamaServer:
     """``with LlamaServer(gguf, parallel=16) as srv: srv.url`` -- started, healthy, stopped on exit."""
 
     def __init__(self, gguf: pathlib.Path, *, parallel: int = 16, threads: int | None = None,
-                 ctx_per_slot: int = 1024, dtype: str = "float32") -> None:
+                 ctx_per_slot: int = 1024, dtype: str = "float32", cache_type: str | None = None) -> None:
         from backend.serving.launcher import free_port
 
         self.port = free_port()
         self.cmd = server_cmd(ensure_llama_server(), gguf, self.port, parallel=parallel,
-                              threads=threads or os.cpu_count() or 2, ctx_per_slot=ctx_per_slot, dtype=dtype)
+                              threads=threads or os.cpu_count() or 2, ctx_per_slot=ctx_per_slot, dtype=dtype,
+                              cache_type=cache_type)
         self.proc: subprocess.Popen | None = None
         self.log = PEERS / "llama-server.log"
 

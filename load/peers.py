@@ -6,7 +6,8 @@ mean 64 capped at 256, greedy, ``ignore_eos``; /v1/completions streamed (both se
 chat template, which they would render differently). 64 requests at 16 streams, 16 at 1 stream
 (times ``--scale``). llama.cpp runs ``-np`` = the largest stream count, ``-t`` = all cores (or
 ``--peer-threads``; give ours the same with ``--engine-option num_threads=N``),
-continuous batching, its KV cache in the run's dtype (``-ctk/-ctv``; its default would be f16); ours is the launcher's stack through the OpenAI shim with ``load/stack.py``'s
+continuous batching, its KV cache as ``--peer-cache-type`` says (default: its own default, f16;
+``same`` = the weights' dtype, which made it much slower at 16 streams here: docs/benchmarks.md); ours is the launcher's stack through the OpenAI shim with ``load/stack.py``'s
 options for the preset and ``dtype`` set to the run's.
 
 Output tok/s counts requested (= generated, with ignore_eos) tokens over the point's wall time.
@@ -70,7 +71,8 @@ async def run_peers(args, bench_point) -> dict:
             res = out[name][dtype] = {}
             if PEER in args.contenders:
                 gguf = convert_to_gguf(model_dir, dtype)
-                with LlamaServer(gguf, parallel=max(args.streams), dtype=dtype, threads=args.peer_threads) as srv:
+                with LlamaServer(gguf, parallel=max(args.streams), dtype=dtype, threads=args.peer_threads,
+                                 cache_type=args.peer_cache_type) as srv:
                     res[PEER] = await _points(CompletionsBackend(srv.url, label=PEER), name, dtype, args.streams,
                                               args.scale, bench_point)
             if OURS in args.contenders:

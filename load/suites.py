@@ -311,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--contenders", nargs="+", default=["llama.cpp", "ours"], choices=["llama.cpp", "ours"],
                    help="peers: which servers run")
     p.add_argument("--peer-threads", type=int, default=None, help="peers: llama.cpp -t (default: all cores)")
+    p.add_argument("--peer-cache-type", default=None,
+                   help="peers: llama.cpp -ctk/-ctv (default: its own, f16; 'same' = the weights' dtype)")
     p.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
     command = "python -m load.suites " + " ".join(sys.argv[1:] if argv is None else argv)

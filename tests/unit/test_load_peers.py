@@ -29,9 +29,12 @@ def test_server_cmd_splits_the_context_over_slots():
     assert cmd[0] == "/bin/llama-server"
     assert args["-m"] == "m.gguf" and args["--port"] == "8080" and args["--host"] == "127.0.0.1"
     assert args["-np"] == "16" and args["-c"] == str(16 * 1024) and args["-t"] == "2" and args["-tb"] == "2"
-    assert args["-ctk"] == args["-ctv"] == "f32"                 # KV in the run's dtype, not f16
-    bf = server_cmd(pathlib.Path("s"), pathlib.Path("m"), 1, parallel=1, threads=1, ctx_per_slot=8, dtype="bfloat16")
-    assert bf[bf.index("-ctk") + 1] == "bf16"
+    assert "-ctk" not in cmd                                     # llama.cpp's own KV default (f16)
+    same = server_cmd(pathlib.Path("s"), pathlib.Path("m"), 1, parallel=1, threads=1, ctx_per_slot=8,
+                      dtype="bfloat16", cache_type="same")
+    assert same[same.index("-ctk") + 1] == same[same.index("-ctv") + 1] == "bf16"
+    q8 = server_cmd(pathlib.Path("s"), pathlib.Path("m"), 1, parallel=1, threads=1, ctx_per_slot=8, cache_type="q8_0")
+    assert q8[q8.index("-ctk") + 1] == "q8_0"
 
 
 def test_staged_config_adds_architecture_and_rope_theta():
