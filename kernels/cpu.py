@@ -56,20 +56,21 @@ def _cache_dir() -> pathlib.Path:
     return pathlib.Path(tempfile.gettempdir()) / "triton_llm_kernels"
 
 
-def _build() -> pathlib.Path | None:
+def _build(source: pathlib.Path = SOURCE, flags: list[str] = FLAGS) -> pathlib.Path | None:
+    """Build ``source`` once into the cache (also used by backend/quant/cpu.py); None on failure."""
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         return None
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_flags().encode()
+    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode() + _cpu_flags().encode()
                          + platform.machine().encode()).hexdigest()[:16]
-    out = _cache_dir() / f"paged_cpu-{key}.so"
+    out = _cache_dir() / f"{source.stem}-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}")
-    proc = subprocess.run([cc, *FLAGS, "-o", str(tmp), str(SOURCE), "-lm"], capture_output=True, text=True)
+    proc = subprocess.run([cc, *flags, "-o", str(tmp), str(source), "-lm"], capture_output=True, text=True)
     if proc.returncode != 0:
-        log.warning("CPU attention kernel did not build (torch fallback): %s", proc.stderr[-500:])
+        log.warning("CPU kernel %s did not build (torch fallback): %s", source.name, proc.stderr[-500:])
         return None
     os.replace(tmp, out)            # atomic: processes building at once each publish a whole file
     return out

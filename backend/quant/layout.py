@@ -1,0 +1,138 @@
+"""Our quantized weight layouts, how a float weight becomes one, and the torch dequantizer.
+
+Both layouts keep output rows first (``[N, ...]``), so the loader can fill a fused ``qkv_proj`` /
+``gate_up_proj`` by row slices exactly as it does float weights, and a GGUF row (blocks + scales of
+one output row) maps onto one of our rows.
+
+    int8  qweight int8  [N, K]               W[n,k] = qweight[n,k] * scales[n, k // G]
+          scales  fp16  [N, ceil(K / G)]     G = K (one scale per output channel, the default)
+                                             or 32 (GGUF Q8_0 blocks, kept as they are)
+    int4  qweight uint8 [N, ceil(K/32)*16]   blocks of 32 values; byte j of a block holds value j
+                                             (low nibble) and value j + 16 (high nibble): GGUF
+                                             Q4_0/Q4_1's order, so their bytes are used as they are
+          scales, zeros fp16 [N, ceil(K/G)]  W[n,k] = (q[n,k] - 8) * scales[n,g] + zeros[n,g],
+                                             g = k // G, G a multiple of 32
+
+Scales are fp16 (as in GGUF) and q is computed against the *rounded* scale, so the stored pair is
+self-consistent. int4 is asymmetric (min/max per group, the grid shrunk where that lowers the
+group's squared error): on a 135M model the zero point is worth several points of perplexity.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+METHODS = ("none", "int8", "int4")
+INT4_BLOCK = 32
+# Shrink factors tried for each int4 group's [min, max] range (1.0 = plain min/max).
+_INT4_SHRINK = (1.0, 0.95, 0.9, 0.85, 0.8)
+
+
+@dataclass
+class QuantWeight:
+    """One quantized matrix of logical shape [out_features, in_features]."""
+    method: str                    # int8 | int4
+    qweight: torch.Tensor
+    scales: torch.Tensor           # fp16 [N, NG]
+    zeros: torch.Tensor | None     # fp16 [N, NG] (int4 only)
+    group_size: int
+    in_features: int
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[0]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.zeros)
+                   if t is not None)
+
+
+def num_groups(k: int, group_size: int) -> int:
+    return -(-k // group_size)
+
+
+def check_group_size(method: str, group_size: int) -> None:
+    if method == "int4" and (group_size <= 0 or group_size % INT4_BLOCK):
+        raise ValueError(f"quant_group_size for int4 must be a positive multiple of 32 (got {group_size})")
+
+
+def _pad_groups(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (w [N, NG, G] zero-padded, valid mask of the same shape)."""
+    n, k = w.shape
+    ng = num_groups(k, group_size)
+    pad = ng * group_size - k
+    valid = torch.ones(n, k, dtype=torch.bool, device=w.device)
+    if pad:
+        w = torch.nn.functional.pad(w, (0, pad))
+        valid = torch.nn.functional.pad(valid, (0, pad))
+    return w.view(n, ng, group_size), valid.view(n, ng, group_size)
+
+
+def quantize_int8(w: torch.Tensor, group_size: int | None = None) -> QuantWeight:
+    """Symmetric int8 in [-127, 127]; one scale per output row (group_size None) or per group."""
+    n, k = w.shape
+    g = k if group_size is None else group_size
+    wg, _ = _pad_groups(w.float(), g)
+    scale = (wg.abs().amax(-1) / 127).clamp_min(1e-8).half()
+    q = torch.round(wg / scale.float().unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+    return QuantWeight("int8", q.view(n, -1)[:, :k].contiguous(), scale, None, g, k)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """q uint8 [N, K] values 0..15 -> packed uint8 [N, ceil(K/32)*16] in GGUF block order."""
+    n, k = q.shape
+    kb = num_groups(k, INT4_BLOCK)
+    q = torch.nn.functional.pad(q, (0, kb * INT4_BLOCK - k), value=8).view(n, kb, 2, 16)
+    return (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, kb * 16).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """Inverse of :func:`pack_int4`: uint8 [N, K] values 0..15."""
+    n = packed.shape[0]
+    b = packed.view(n, -1, 16)
+    return torch.stack((b & 15, b >> 4), dim=2).reshape(n, -1)[:, :k]
+
+
+def quantize_int4(w: torch.Tensor, group_size: int = 32) -> QuantWeight:
+    """Asymmetric group-wise int4 (see module docstring), fp32 search, fp16 scales/zeros."""
+    check_group_size("int4", group_size)
+    n, k = w.shape
+    wg, valid = _pad_groups(w.float(), group_size)
+    lo = torch.where(valid, wg, torch.inf).amin(-1)
+    hi = torch.where(valid, wg, -torch.inf).amax(-1)
+    best_err = best = None
+    for r in _INT4_SHRINK:
+        scale = ((hi - lo) * r / 15).clamp_min(1e-8).half()
+        zero = (lo * r + 8 * scale.float()).half()        # W = (q-8)*s + z, q = 0 maps to lo * r
+        s, z = scale.float().unsqueeze(-1), zero.float().unsqueeze(-1)
+        q = torch.round((wg - z) / s + 8).clamp_(0, 15)
+        err = (((q - 8) * s + z - wg) ** 2 * valid).sum(-1)
+        if best is None:
+            best_err, best = err, (q, scale, zero)
+        else:
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best = (torch.where(better.unsqueeze(-1), q, best[0]), torch.where(better, scale, best[1]),
+                    torch.where(better, zero, best[2]))
+    q, scale, zero = best
+    q = q.to(torch.uint8).view(n, -1)[:, :k]
+    return QuantWeight("int4", pack_int4(q), scale.contiguous(), zero.contiguous(), group_size, k)
+
+
+def quantize(w: torch.Tensor, method: str, group_size: int) -> QuantWeight:
+    if method == "int8":
+        return quantize_int8(w)            # per output channel: what the int8 goal is measured on
+    if method == "int4":
+        return quantize_int4(w, group_size)
+    raise ValueError(f"quantization must be one of {', '.join(METHODS)} (got {method!r})")
+
+
+def dequantize(qw: QuantWeight) -> torch.Tensor:
+    """fp32 [N, K]: the reference every kernel is tested against."""
+    k, g = qw.in_features, qw.group_size
+    s = qw.scales.float().repeat_interleave(g, dim=1)[:, :k]
+    if qw.method == "int8":
+        return qw.qweight.float() * s
+    z = qw.zeros.float().repeat_interleave(g, dim=1)[:, :k]
+    return (unpack_int4(qw.qweight, k).float() - 8) * s + z
