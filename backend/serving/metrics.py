@@ -54,6 +54,11 @@ STAT_COUNTERS: dict[str, tuple[str, Callable[[Any], float]]] = {
     "llm_kv_cache_evictions_total": ("Cached KV blocks evicted from the device pool", lambda s: s.kv.evictions),
     "llm_kv_offload_out_bytes_total": ("KV bytes written to the offload tiers", lambda s: s.kv.offload_out_bytes),
     "llm_kv_offload_in_bytes_total": ("KV bytes read back from the offload tiers", lambda s: s.kv.offload_in_bytes),
+    # speculative decoding (docs/speculative.md): acceptance rate = accepted / draft
+    "llm_spec_decode_num_draft_tokens_total": ("Draft tokens verified (speculative decoding)",
+                                               lambda s: s.spec_drafted_tokens),
+    "llm_spec_decode_num_accepted_tokens_total": ("Draft tokens accepted (speculative decoding)",
+                                                  lambda s: s.spec_accepted_tokens),
 }
 FINISHED = "llm_requests_finished_total"
 FINISH_REASONS = ("stop", "length", "abort", "error")
