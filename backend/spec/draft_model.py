@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 
-from backend.engine.sequence import Sequence
 from backend.spec.proposer import Draft, Proposer
+
+if TYPE_CHECKING:
+    from backend.engine.sequence import Sequence
 
 
 @dataclass

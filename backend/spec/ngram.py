@@ -12,10 +12,14 @@ again), else the earliest, which has the longest continuation (a loop in the out
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
-from backend.engine.sequence import Sequence
 from backend.spec.proposer import Draft, Proposer
+
+if TYPE_CHECKING:
+    from backend.engine.sequence import Sequence
 
 
 def find_continuation(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> list[int]:

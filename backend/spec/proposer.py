@@ -15,11 +15,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 
-from backend.engine.sequence import Sequence
+if TYPE_CHECKING:
+    from backend.engine.sequence import Sequence
+
 
 
 @dataclass

@@ -21,11 +21,13 @@ exact), only how fast.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
-from backend.engine.sequence import Sequence
 from backend.spec.config import SpeculativeConfig
 from backend.spec.proposer import Proposer
+
+if TYPE_CHECKING:
+    from backend.engine.sequence import Sequence
 
 
 @dataclass

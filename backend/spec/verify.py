@@ -22,10 +22,12 @@ Logprobs are the raw target logprobs of the emitted token at its own row, as in 
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from backend.engine.sampler import Sampler
-from backend.outputs import TokenLogprob
+if TYPE_CHECKING:
+    from backend.engine.sampler import Sampler
 
 
 class _Ahead:
@@ -90,7 +92,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, seqs: list, first_rows: list[
         lps = [None] * len(run)
         if seq.params.logprobs is not None:
             idx = torch.arange(v0, v0 + len(run), device=raw.device)
-            lps = Sampler.logprobs(raw[idx], torch.tensor(run, device=raw.device), [seq.params] * len(run))
+            lps = sampler.logprobs(raw[idx], torch.tensor(run, device=raw.device), [seq.params] * len(run))
         if drafts:
             tokens.append(run)
             logprobs.append(lps)
