@@ -83,7 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", help="start tritonserver on the model repository and the OpenAI shim")
     sv.add_argument("--model", default=None, help="Hugging Face checkpoint directory (default: SmolLM2-135M-Instruct in "
                     "models/default, fetched and imported on first use)")
-    sv.add_argument("--host", default="127.0.0.1", help="address for Triton's ports and the shim")
+    sv.add_argument("--host", default="127.0.0.1", help="address for the OpenAI shim (Triton stays on loopback)")
+    sv.add_argument("--expose-triton", action="store_true",
+                    help="bind Triton's HTTP/gRPC/metrics ports to --host too: they have no API keys, so "
+                         "only on a trusted network (docs/serving.md, trust model)")
     sv.add_argument("--http-port", type=int, default=8000)
     sv.add_argument("--grpc-port", type=int, default=8001)
     sv.add_argument("--metrics-port", type=int, default=8002)

@@ -19,6 +19,8 @@ class EngineArgs:
     disk_tier_path: str | None = None
     disk_tier_blocks: int = 0
     dtype: str = "float32"                        # float32 | bfloat16 | float16
+    quantization: str = "none"                    # none | int8 | int4: weight-only, decoder projections (backend/quant)
+    quant_group_size: int = 32                    # int4 group size (a multiple of 32); int8 is per output channel
     device: str = "cpu"
     attention_backend: str = "auto"               # auto | torch | triton
     seed: int = 0
@@ -26,10 +28,20 @@ class EngineArgs:
     stream_interval: float = 0.0                  # serving: seconds the response thread gathers a
                                                   # stream's tokens into one response (0 = each step)
     speculative_config: str | dict | None = None  # vLLM's spelling, JSON text or a dict (backend/spec/config.py)
+    # Hardening (issue 19; backend/engine/fairness.py, docs/serving.md "Tenants and trust"):
+    max_running_per_tenant: int = 0               # sequences one tenant may run at once (0 = no limit)
+    max_waiting_per_tenant: int = 0               # requests one tenant may queue (0 = no limit): queue_full past it
+    priority_aging_s: float = 5.0                 # a waiting request gains one priority level per this many s (0 = off)
+    allow_client_salt: bool = False               # honour the cache_salt parameter (else the tenant sets the salt)
+    shutdown_drain_s: float = 30.0                # on unload, open requests may finish this long, then are cut
+    drain_file: str | None = None                 # the launcher writes a drain deadline here (backend/serving/drain_watch.py)
+    test_faults: bool = False                     # tests only, and only with TRITON_LLM_TEST_FAULTS=1
 
     def __post_init__(self) -> None:
         from backend.spec.config import SpeculativeConfig
         SpeculativeConfig.parse(self.speculative_config)     # a bad value fails where it is given
+        if self.quantization not in ("none", "int8", "int4"):
+            raise ValueError(f"quantization must be none, int8 or int4 (got {self.quantization!r})")
 
     @classmethod
     def from_dict(cls, d: dict) -> "EngineArgs":

@@ -35,16 +35,29 @@ class EngineService:
                  sweep_interval: float = 0.1, tombstone_ttl: float = 30.0, stream_interval: float = 0.0,
                  cancel_check_interval: float = CANCEL_CHECK_INTERVAL,
                  clock: Callable[[], float] = time.monotonic, start: bool = True,
-                 q: queue.Queue | None = None) -> None:
+                 q: queue.Queue | None = None, drain_timeout: float = 30.0) -> None:
         self.loop = loop
+        self.drain_timeout = drain_timeout
         self.metrics = metrics
         self.tombstones = AbortTombstones(tombstone_ttl, clock)
         self.responses = ResponseThread(loop, self.tombstones, metrics=metrics, stream_interval=stream_interval,
                                         sweep_interval=sweep_interval,
                                         cancel_check_interval=cancel_check_interval, clock=clock, q=q)
         self.intake = Intake(loop, self.responses, self.tombstones, max_model_len=max_model_len, clock=clock)
+        self.drain_watch = None
         if start:
             self.responses.start()
+
+    def watch_drain(self, path: str) -> None:
+        """Cut open requests at the deadline the launcher writes to ``path`` (drain_watch.py)."""
+        from backend.serving.drain_watch import DrainWatch
+
+        self.drain_watch = DrainWatch(path, self._drain).start()
+
+    def _drain(self, seconds: float) -> None:
+        self.intake.accepting = False
+        self.loop.shutdown(drain=True, timeout=seconds)    # then aborts what is left: each gets a final
+        self.responses.stop()               # sends those finals; anything later is answered inline
 
     @property
     def healthy(self) -> bool:
@@ -54,12 +67,15 @@ class EngineService:
         """execute() thread: never blocks; the request is answered from the response thread."""
         self.intake.submit(inc)
 
-    def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop admitting, let open requests finish (up to ``timeout``), abort the rest, FINAL all."""
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop admitting, let open requests finish (up to ``timeout``, default the engine option
+        ``shutdown_drain_s``), abort the rest, FINAL all."""
         self.intake.accepting = False
         try:
-            self.loop.shutdown(drain=True, timeout=timeout)
+            self.loop.shutdown(drain=True, timeout=self.drain_timeout if timeout is None else timeout)
         finally:
+            if self.drain_watch is not None:
+                self.drain_watch.stop()
             self.responses.stop()
             if self.metrics is not None:
                 self.metrics.stop()
@@ -83,5 +99,8 @@ def build_engine_service(model_dir: str, params: dict[str, str], *, metrics_fact
     if metrics_factory is not None:
         metrics = ServingMetrics(metrics_factory, stats=loop.stats, healthy=lambda: loop.healthy,
                                  labels=labels)
-    return EngineService(loop, max_model_len=engine.max_model_len, metrics=metrics,
-                         stream_interval=args.stream_interval)
+    service = EngineService(loop, max_model_len=engine.max_model_len, metrics=metrics,
+                            stream_interval=args.stream_interval, drain_timeout=args.shutdown_drain_s)
+    if args.drain_file:
+        service.watch_drain(args.drain_file)
+    return service

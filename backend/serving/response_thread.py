@@ -78,7 +78,11 @@ class ResponseThread:
                 self.latency.flush()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Answer what is queued and close; runs the steps here if the thread is not running."""
+        """Answer what is queued and close; runs the steps here if the thread is not running.
+        A second call (the drain closed it, then finalize) does nothing."""
+        with self._lock:
+            if self._closed:
+                return
         self.post(STOP)
         if self._thread.is_alive():
             self._thread.join(timeout)

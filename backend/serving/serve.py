@@ -3,11 +3,16 @@
     start server ─► start shim ─► print endpoints ─► watch (exit 1 if either dies or the engine
                                                      loop turns unhealthy: a supervisor restarts us)
     SIGTERM / Ctrl-C ─► drain (unload; open streams finish, up to SERVE_DRAIN_SECONDS) ─► stop ─► 0
+
+Triton's ports bind loopback unless ``--expose-triton``: they have no API keys, so ``--host`` (a
+public address) applies to the shim alone, the authenticated front (docs/serving.md, trust model).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
+import threading
 import signal
 import subprocess
 import sys
@@ -18,8 +23,9 @@ from backend.serving.server_log import log_tail
 from backend.serving.tritonserver import ServerStartError, TritonServer
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-SERVE_DRAIN_SECONDS = 60          # open streams may finish for this long after SIGTERM
-HEALTH_INTERVAL = 5.0
+SERVE_DRAIN_SECONDS = float(os.environ.get("TRITON_LLM_DRAIN_SECONDS", 60))  # open streams may finish this long
+EXIT_TIMEOUT = 5                  # tritonserver's own wait on SIGTERM: the drain already waited
+HEALTH_INTERVAL = 1.0             # engine death -> unloaded (not ready) within ~2 s
 
 
 def _client_host(host: str) -> str:
@@ -72,23 +78,29 @@ def watch(server: TritonServer, shim: subprocess.Popen | None, workdir: pathlib.
         if time.monotonic() >= next_health:
             next_health = time.monotonic() + HEALTH_INTERVAL
             if server.engine_healthy() is False:
-                # The model cannot flip Triton's readiness; exiting lets a supervisor restart us.
+                # A Python model cannot flip its own readiness: unloading it does (readiness of
+                # engine and llm, and so the shim's /ready, go false); exiting lets a supervisor
+                # restart us.
                 print("[triton-llm] the engine loop died (llm_engine_healthy 0); stopping so a "
                       f"supervisor can restart the server. Log: {server.log_path}", file=sys.stderr)
+                server.unload_generation()
                 return 1
         time.sleep(0.5)
 
 
 def drain(server: TritonServer) -> float:
     """Let open requests finish; returns how long ``stop()`` may still wait for what is left."""
-    print(f"\n[triton-llm] draining open requests (up to {SERVE_DRAIN_SECONDS}s), then stopping", file=sys.stderr)
+    print(f"\n[triton-llm] draining open requests (up to {SERVE_DRAIN_SECONDS:g}s), then stopping", file=sys.stderr)
     try:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)   # a second Ctrl-C would orphan the drain
         drained = server.drain(SERVE_DRAIN_SECONDS)
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    return 10.0 if drained else 5.0     # what is left now is stuck (e.g. an idle client stream)
+    # Drained (the engine cut what was open at the deadline): tritonserver has nothing left and
+    # exits at once. Not drained (something stuck): SIGTERM; tritonserver gives up after its exit
+    # timeout but may hang in teardown after that, so the group is killed a second later.
+    return EXIT_TIMEOUT + (5.0 if drained else 1.0)
 
 
 def _interrupt(signum, frame):
@@ -100,9 +112,10 @@ def serve_main(args: argparse.Namespace) -> int:
     workdir = pathlib.Path(args.workdir) if args.workdir else ROOT / "build" / "serve"
     workdir.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, _interrupt)
-    server = TritonServer(args.model, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
+    triton_host = args.host if getattr(args, "expose_triton", False) else "127.0.0.1"
+    server = TritonServer(args.model, host=triton_host, http_port=args.http_port, grpc_port=args.grpc_port,
                           metrics_port=args.metrics_port, engine_options=args.engine_option,
-                          workdir=workdir, exit_timeout=SERVE_DRAIN_SECONDS)
+                          workdir=workdir, exit_timeout=EXIT_TIMEOUT)
     shim = None
     stop_grace = None                   # stop()'s default unless a drain ran
     try:
@@ -118,6 +131,11 @@ def serve_main(args: argparse.Namespace) -> int:
         return 1
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        # The shim and tritonserver stop side by side: each waits only for its own children.
+        shim_stop = None
         if shim is not None:
-            terminate_group(shim, timeout=5)
+            shim_stop = threading.Thread(target=terminate_group, args=(shim,), kwargs={"timeout": 5})
+            shim_stop.start()
         server.stop(grace=stop_grace)
+        if shim_stop is not None:
+            shim_stop.join()

@@ -23,6 +23,7 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from backend.serving.drain_watch import remove_drain, write_drain
 from backend.serving.install import TritonInstall, backend_directory, find_tritonserver, server_env
 from backend.serving.process_group import free_port, spawn, terminate_group
 from backend.serving.repository import TEMPLATES, generate_repository, parse_engine_options
@@ -59,6 +60,7 @@ class TritonServer:
         self.quiet = quiet
         self.exit_timeout = exit_timeout      # tritonserver waits this long for open requests on SIGTERM
         self.log_path = self.workdir / "tritonserver.log"
+        self.drain_file = self.workdir / "draining"     # drain() -> the engine (drain_watch.py)
         self.proc = None
         self._admin_key = secrets.token_hex(16)
 
@@ -106,6 +108,9 @@ class TritonServer:
         if self.proc is not None:
             raise RuntimeError("already started")
         self.workdir.mkdir(parents=True, exist_ok=True)
+        remove_drain(self.drain_file)           # a stale deadline from an earlier run would cut at once
+        if self.models is None or "engine" in self.models:
+            self.engine_options.setdefault("drain_file", str(self.drain_file))
         install = find_tritonserver()
         backends = backend_directory(install, self.workdir)
         repository = generate_repository(self.workdir / "model_repository", self.model_dir,
@@ -183,28 +188,63 @@ class TritonServer:
             text = r.read().decode()
         return json.loads(text) if text else None
 
-    def drain(self, timeout: float = 60.0, models: tuple[str, ...] = ("llm", "engine")) -> bool:
+    def drain(self, timeout: float = 60.0, models: tuple[str, ...] = ("llm", "engine"),
+              settle: float = 2.0) -> bool:
         """Refuse new generation requests and wait (up to ``timeout``) for open ones to finish.
 
         Unloading a model makes Triton refuse new requests for it while requests already in flight
-        complete normally (the front ends stay up, so streams keep flowing). True when drained.
+        complete normally (the front ends stay up, so streams keep flowing). The other models
+        (preprocessing, postprocessing) are unloaded as soon as nothing can still need them: at
+        once when ``llm`` unloads (no ensemble request is open), else once the engine is unloaded
+        and ``settle`` seconds passed -- a request the gRPC front end leaked (Triton 2.51 race, see
+        client/triton_client.py) would keep ``llm`` loaded forever and must not hold the shutdown.
+        Every Python stub takes about a second to stop, so they stop in parallel, and
+        tritonserver has nothing left to wait for on SIGTERM. True when drained.
         """
         if not self.alive():
             return True
         try:
             loaded = {m["name"] for m in self._admin("/v2/repository/index", {"ready": True})}
             targets = [m for m in models if m in loaded]
+            rest = [m for m in loaded if m not in targets]
+            write_drain(self.drain_file, timeout)   # the engine cuts open requests at the deadline
             for m in targets:
                 self._admin(f"/v2/repository/models/{m}/unload")
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline and self.alive():
-                index = {m["name"]: m.get("state", "") for m in self._admin("/v2/repository/index")}
-                if all(index.get(m) == "UNAVAILABLE" for m in targets):
+            deadline = time.monotonic() + timeout + 5.0     # the cut, then its finals, then unloads
+            engine_gone_at = None
+            while self.alive():
+                state = self._states()
+                if rest and state.get("llm") == "UNAVAILABLE" or (
+                        engine_gone_at is not None and time.monotonic() - engine_gone_at >= settle):
+                    for m in rest:
+                        self._admin(f"/v2/repository/models/{m}/unload")
+                    rest = []
+                left = sorted(m for m in loaded if state.get(m) != "UNAVAILABLE")
+                if not left:
                     return True
-                time.sleep(0.2)
+                if state.get("engine") == "UNAVAILABLE":
+                    engine_gone_at = engine_gone_at or time.monotonic()
+                    if not rest and time.monotonic() - engine_gone_at >= 2 * settle:
+                        self._say(f"not waiting for {', '.join(left)}: the engine is unloaded, so nothing "
+                                  "runs; a client still holds its finished stream open")
+                        return True
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(0.05)
         except (urllib.error.URLError, OSError, ValueError) as exc:
             self._say(f"drain failed: {exc}")
-        return False
+        return not self.alive()
+
+    def _states(self) -> dict[str, str]:
+        return {m["name"]: m.get("state", "") for m in self._admin("/v2/repository/index")}
+
+    def unload_generation(self) -> None:
+        """Mark ``llm`` and ``engine`` not ready at once (the engine loop died): unload, no wait."""
+        for m in ("llm", "engine"):
+            try:
+                self._admin(f"/v2/repository/models/{m}/unload")
+            except (urllib.error.URLError, OSError, ValueError) as exc:
+                self._say(f"unloading {m} failed: {exc}")
 
     def stop(self, grace: float | None = None) -> None:
         """SIGTERM; after ``grace`` seconds (default: the exit timeout + 15) SIGKILL what is left."""

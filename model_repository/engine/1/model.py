@@ -8,6 +8,7 @@ import triton_python_backend_utils as pb_utils
 from backend import protocol as P
 from backend.serving.engine_service import Incoming, build_engine_service
 from backend.serving.errors import to_wire, triton_code
+from backend.serving.stub_exit import exit_stub
 from backend.serving.tensors import config_parameters, require_model_dir
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -85,4 +86,7 @@ class TritonPythonModel:
         return None
 
     def finalize(self):
-        self.service.shutdown()
+        try:
+            self.service.shutdown()
+        finally:
+            exit_stub()           # the stub's own teardown is slow and not needed (stub_exit.py)

@@ -6,6 +6,7 @@ from backend import protocol as P
 from backend.serving.errors import as_engine_error, to_wire, triton_code
 from backend.serving.postprocess import Postprocessor, skip_special_tokens
 from backend.serving.request_params import parse_parameters
+from backend.serving.stub_exit import exit_stub
 from backend.serving.tensors import config_parameters, one_string, require_model_dir, string_array
 
 
@@ -41,3 +42,6 @@ class TritonPythonModel:
                 responses.append(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(
                     to_wire(err), getattr(pb_utils.TritonError, triton_code(err)))))
         return responses
+
+    def finalize(self):
+        exit_stub()               # the stub's own teardown is slow and not needed (stub_exit.py)

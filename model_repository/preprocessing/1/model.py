@@ -5,6 +5,7 @@ from backend import protocol as P
 from backend.serving.errors import as_engine_error, to_wire, triton_code
 from backend.serving.preprocess import Preprocessor
 from backend.serving.request_params import parse_parameters
+from backend.serving.stub_exit import exit_stub
 from backend.serving.tensors import config_parameters, int_array, one_string, require_model_dir
 
 
@@ -36,3 +37,6 @@ class TritonPythonModel:
             except Exception as exc:
                 responses.append(error_response(exc))
         return responses
+
+    def finalize(self):
+        exit_stub()               # the stub's own teardown is slow and not needed (stub_exit.py)

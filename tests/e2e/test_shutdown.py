@@ -1,0 +1,126 @@
+"""``triton-llm serve`` stops fast and clean (issue 19).
+
+* Idle after 8 concurrent streamed chat completions through the shim: SIGTERM exits in < 5 s.
+  (It took 68 s: a client that cancelled its finished gRPC stream hit a Triton 2.51 front-end
+  race that kept the ``llm`` ensemble loaded; see client/triton_client.py and tritonserver.drain.)
+* Streams still open at the drain deadline are cut, then everything stops, nothing is left.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import httpx
+import pytest
+
+from backend.serving.launcher import free_port
+from tests.conftest import ROOT, model_dir
+from tests.e2e.helpers import Result, Stream, make_inputs
+
+pytestmark = pytest.mark.e2e
+
+
+class Serve:
+    def __init__(self, workdir, *, shim: bool, env: dict | None = None) -> None:
+        self.http, self.grpc, self.metrics = free_port(), free_port(), free_port()
+        self.shim = free_port() if shim else 0
+        self.workdir = workdir
+        self.grpc_url = f"127.0.0.1:{self.grpc}"
+        cmd = [sys.executable, "-m", "backend.cli", "serve", "--model", str(model_dir("tiny")),
+               "--http-port", str(self.http), "--grpc-port", str(self.grpc), "--metrics-port", str(self.metrics),
+               "--shim-port", str(self.shim), "--workdir", str(workdir),
+               "--engine-option", "num_kv_blocks=256", "--engine-option", "num_threads=1"]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, **(env or {})})
+        self.lines: list[str] = []
+        threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True).start()
+        deadline = time.monotonic() + 150
+        while not any("Ctrl-C to stop" in line for line in self.lines):
+            assert self.proc.poll() is None, "".join(self.lines)
+            assert time.monotonic() < deadline, "".join(self.lines)
+            time.sleep(0.2)
+
+    def sigterm_and_wait(self, timeout: float) -> tuple[int, float]:
+        t0 = time.monotonic()
+        self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(timeout=timeout)
+        return code, time.monotonic() - t0
+
+    def logs(self) -> str:
+        from backend.serving.server_log import log_tail
+        return "".join(self.lines) + log_tail(self.workdir / "tritonserver.log", 30) + log_tail(self.workdir / "shim.log", 10)
+
+    def leftovers(self) -> list[str]:
+        return subprocess.run(["pgrep", "-f", str(self.workdir)], capture_output=True, text=True).stdout.split()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _chat_stream(base: str, model: str, i: int, out: list) -> None:
+    body = {"model": model, "messages": [{"role": "user", "content": f"story {i}"}], "max_tokens": 24,
+            "stream": True}
+    with httpx.Client(timeout=120) as c, c.stream("POST", f"{base}/v1/chat/completions", json=body) as r:
+        lines = [line for line in r.iter_lines() if line]
+    out.append((r.status_code, lines[-1] if lines else ""))
+
+
+def _read_to_end(s: Stream, res: Result) -> None:
+    try:
+        s.collect(res, timeout=30)
+    finally:
+        s.close()
+
+
+def test_idle_shutdown_after_concurrent_streams_is_fast(tmp_path):
+    serve = Serve(tmp_path / "serve", shim=True)
+    try:
+        base = f"http://127.0.0.1:{serve.shim}"
+        model = httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
+        for _ in range(2):                       # two waves of 8 concurrent streams
+            out: list = []
+            threads = [threading.Thread(target=_chat_stream, args=(base, model, i, out)) for i in range(8)]
+            [t.start() for t in threads]
+            [t.join() for t in threads]
+            assert out == [(200, "data: [DONE]")] * 8
+        time.sleep(0.5)                          # every stream over: nothing in flight
+        code, took = serve.sigterm_and_wait(timeout=90)
+        print(f"\nidle shutdown after 16 streamed chat completions: {took:.2f}s")
+        assert code == 0, "".join(serve.lines)
+        assert took < 8.0, f"idle shutdown took {took:.2f}s\n" + serve.logs()   # ~3.5 s; generous: 2 busy cores
+    finally:
+        serve.kill()
+    assert serve.leftovers() == []
+
+
+def test_streams_open_at_the_drain_deadline_are_cut_then_all_stops(tmp_path):
+    serve = Serve(tmp_path / "serve", shim=False, env={"TRITON_LLM_DRAIN_SECONDS": "1"})
+    streams = []
+    try:
+        for _ in range(4):                       # 4 x 1000 tokens: longer than the 1 s drain
+            s = Stream(serve)
+            res = Result(uuid.uuid4().hex)
+            s.send("llm", make_inputs(text="go on"), res.request_id,
+                   dict(max_tokens=1000, temperature=0.0, ignore_eos=True))
+            s.collect(res, until_responses=2, timeout=60)
+            streams.append((s, res))
+        readers = [threading.Thread(target=_read_to_end, args=(s, res)) for s, res in streams]
+        [t.start() for t in readers]             # clients read on and close their streams
+        code, took = serve.sigterm_and_wait(timeout=60)
+        print(f"\nshutdown with 4 open streams, 1 s drain: {took:.2f}s")
+        [t.join(timeout=10) for t in readers]
+        assert code == 0, "".join(serve.lines)
+        assert took < 1 + 8, serve.logs()        # the deadline, the cut, then a normal stop (~5 s)
+        for _, res in streams:
+            assert res.error is None and res.finals == 1, res      # cut cleanly: a last response
+            assert res.finish_reason == "abort" and 0 < len(res.ids) < 1000
+    finally:
+        serve.kill()
+    assert serve.leftovers() == []
