@@ -11,6 +11,16 @@ import threading
 from collections import Counter
 
 
+# The routers' metrics living in this process (the ingress's /scale/stats reads them). Kept here and
+# not in router.py: Ray pickles a custom router's module *by value*, so a list there would be a copy.
+LIVE: list["RoutingMetrics"] = []
+
+
+def register(metrics: "RoutingMetrics") -> "RoutingMetrics":
+    LIVE.append(metrics)
+    return metrics
+
+
 class RoutingMetrics:
     def __init__(self, export: bool = True) -> None:
         self._lock = threading.Lock()

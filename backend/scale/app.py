@@ -1,0 +1,87 @@
+"""``ScaleConfig`` and ``build_app``: the Ray Serve application for ``triton-llm serve --replicas``.
+
+    ShimIngress (HTTP, OpenAI API) ──handle──► TritonReplica × N   (primary model, PrefixAwareRouter)
+                                   └─handle──► TritonReplica × M   (fallback model, optional)
+
+Replica counts: fixed ``replicas``, or autoscaling between ``min_replicas`` and ``max_replicas``
+on Ray Serve's ongoing-requests target with upscale/downscale delays. Scale-in and shutdown drain
+a replica: Ray stops routing to it and waits up to ``graceful_shutdown_s`` for its open requests
+before its tritonserver is stopped.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ray import serve
+from ray.serve.config import AutoscalingConfig, RequestRouterConfig
+
+from backend.scale.ingress import ShimIngressDeployment
+from backend.scale.replica import TritonReplica
+
+ROUTER_CLASS = "backend.scale.router:PrefixAwareRouter"
+
+
+@dataclass
+class ScaleConfig:
+    model_dir: str
+    engine_options: dict = field(default_factory=dict)
+    replicas: int = 2
+    autoscale: bool = False
+    min_replicas: int = 1
+    max_replicas: int = 2
+    target_ongoing_requests: float = 4.0
+    upscale_delay_s: float = 5.0
+    downscale_delay_s: float = 30.0
+    max_ongoing_requests: int = 64             # per replica: past it Ray queues in the router
+    prefix_routing: bool = True                # False: Ray's default power-of-two-choices router
+    imbalance: int = 4                         # load bound of the prefix router (ongoing requests)
+    replica_cpus: float = 1.0
+    ingress_cpus: float = 0.5
+    health_check_period_s: float = 2.0
+    health_check_timeout_s: float = 10.0
+    graceful_shutdown_s: float = 30.0
+    fallback_model_dir: str | None = None
+    fallback_engine_options: dict = field(default_factory=dict)
+    fallback_replicas: int = 1
+    fallback_tenants: list[str] = field(default_factory=list)   # "*": every request may degrade
+    fallback_max_ongoing: float = 8.0          # primary ongoing requests per replica that saturate it
+    shim: dict = field(default_factory=dict)   # ShimSettings fields (api_keys_file, model_name, ...)
+
+    @property
+    def block_size(self) -> int:
+        return int(self.engine_options.get("block_size", 16))
+
+
+def _replica_options(cfg: ScaleConfig, name: str, replicas: int, autoscale: bool) -> dict:
+    opts = dict(name=name, max_ongoing_requests=cfg.max_ongoing_requests,
+                ray_actor_options={"num_cpus": cfg.replica_cpus},
+                health_check_period_s=cfg.health_check_period_s,
+                health_check_timeout_s=cfg.health_check_timeout_s,
+                graceful_shutdown_timeout_s=cfg.graceful_shutdown_s,
+                graceful_shutdown_wait_loop_s=1.0)
+    if autoscale:
+        opts["autoscaling_config"] = AutoscalingConfig(
+            min_replicas=cfg.min_replicas, max_replicas=cfg.max_replicas, initial_replicas=cfg.min_replicas,
+            target_ongoing_requests=cfg.target_ongoing_requests,
+            upscale_delay_s=cfg.upscale_delay_s, downscale_delay_s=cfg.downscale_delay_s)
+    else:
+        opts["num_replicas"] = replicas
+    return opts
+
+
+def build_app(cfg: ScaleConfig):
+    primary_opts = _replica_options(cfg, "TritonReplica", cfg.replicas, cfg.autoscale)
+    if cfg.prefix_routing:
+        primary_opts["request_router_config"] = RequestRouterConfig(
+            request_router_class=ROUTER_CLASS, request_router_kwargs={"imbalance": cfg.imbalance})
+    primary = serve.deployment(TritonReplica).options(**primary_opts).bind(
+        cfg.model_dir, cfg.engine_options, "primary")
+    fallback = None
+    if cfg.fallback_model_dir:
+        fb_opts = _replica_options(cfg, "FallbackReplica", cfg.fallback_replicas, False)
+        fallback = serve.deployment(TritonReplica).options(**fb_opts).bind(
+            cfg.fallback_model_dir, cfg.fallback_engine_options, "fallback")
+    return ShimIngressDeployment.options(ray_actor_options={"num_cpus": cfg.ingress_cpus}).bind(
+        primary, fallback, model_dir=cfg.model_dir, block_size=cfg.block_size,
+        prefix_routing=cfg.prefix_routing, shim=cfg.shim, fallback_tenants=cfg.fallback_tenants,
+        fallback_max_ongoing=cfg.fallback_max_ongoing)

@@ -1,0 +1,56 @@
+"""``ShimIngress``: the OpenAI shim (client/shim, unchanged) as the Ray Serve HTTP ingress.
+
+The shim app is built inside the ingress replica (``__serve_build_asgi_app__``) with a ServeClient
+in place of the gRPC client, so auth, tenants, limits, SSE and the chat page are exactly those of
+``triton-llm serve``; only where a request's stream comes from changes. Ray's HTTP proxy forwards
+to this replica and cancels it when the HTTP client disconnects, which unwinds the shim's stream
+and, through ServeClient, the replica's gRPC stream (explicit abort in the engine).
+
+``GET /scale/stats`` (API key required when keys are configured) reports the routers' decisions by
+policy, fallbacks and per-replica load as this ingress sees them.
+"""
+from __future__ import annotations
+
+from fastapi import Depends, Request
+from ray import serve
+
+from backend.scale import metrics as metrics_mod
+
+
+class ShimIngress:
+    def __init__(self, primary, fallback=None, *, model_dir: str, block_size: int = 16,
+                 prefix_routing: bool = True, shim: dict | None = None,
+                 fallback_tenants: list[str] | None = None, fallback_max_ongoing: float = 8.0) -> None:
+        self.primary, self.fallback = primary, fallback
+        self.model_dir, self.block_size, self.prefix_routing = model_dir, block_size, prefix_routing
+        self.shim = dict(shim or {})
+        self.fallback_tenants = set(fallback_tenants or [])
+        self.fallback_max_ongoing = fallback_max_ongoing
+
+    def __serve_build_asgi_app__(self):
+        from backend.scale.fallback import FallbackPolicy
+        from backend.scale.prefix_key import PrefixKeyer
+        from backend.scale.serve_client import ServeClient
+        from client.shim.app import create_app
+        from client.shim.settings import ShimSettings
+
+        keyer = PrefixKeyer(self.model_dir, self.block_size) if self.prefix_routing else None
+        client = ServeClient(self.primary, keyer=keyer, fallback=self.fallback,
+                             fallback_policy=FallbackPolicy(self.fallback_max_ongoing),
+                             fallback_tenants=self.fallback_tenants)
+        settings = ShimSettings(model_dir=self.model_dir, **self.shim)
+        app = create_app(settings, client=client)
+
+        def _auth(request: Request):
+            return app.state.keys.identify(request)
+
+        @app.get("/scale/stats")
+        async def scale_stats(_key=Depends(_auth)):
+            routers = [m.snapshot() for m in metrics_mod.LIVE]
+            return {"routers": routers, "fallbacks": client.metrics.snapshot()["fallbacks"],
+                    "served": dict(client.served)}
+
+        return app
+
+
+ShimIngressDeployment = serve.deployment(serve.ingress()(ShimIngress), name="ShimIngress")

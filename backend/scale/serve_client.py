@@ -1,0 +1,158 @@
+"""``ServeClient``: the shim's client interface (``generate`` / ``is_ready`` / ``context_window``
+/ ``close``, as client/triton_client.py TritonLLMClient) over Ray Serve deployment handles.
+
+Per request: render + hash the prompt's leading blocks (prefix_key.py, off the event loop), decide
+primary or fallback (fallback.py; opt-in via the ``fallback`` request parameter), and stream from
+the replica Ray's router picks (router.py) through ``handle.options(stream=True)``.
+
+Failover: a failure before the first chunk (the replica's tritonserver died, the replica actor
+died) is retried on another replica, avoiding the failed one; after the first chunk it is raised as
+UnavailableError, which the shim turns into an SSE error event (never a hang). Closing the stream
+early cancels the Ray call; the replica's gRPC client then cancels and aborts in the engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import AsyncIterator
+
+from backend import protocol as P
+from backend.scale.fallback import FallbackPolicy
+from backend.scale.metrics import RoutingMetrics
+from client.errors import (InternalError, InvalidRequestError, QueueFullError, TritonLLMError,
+                           UnavailableError)
+from client.triton_client import Chunk
+
+log = logging.getLogger("triton_llm.scale")
+FALLBACK_PARAM = "fallback"          # request parameter: true = may be served by the lighter model
+ATTEMPTS = 3
+_CHUNK_FIELDS = set(Chunk.__dataclass_fields__)
+
+
+def rebuild_error(rec: dict) -> TritonLLMError:
+    """The typed error a replica reported (kind-based: the wire tag was already parsed there)."""
+    kind, msg = rec.get("kind"), rec.get("message") or ""
+    if kind == "invalid_request":
+        return InvalidRequestError(msg, param=rec.get("param"))
+    if kind == "queue_full":
+        return QueueFullError(msg, retry_after=rec.get("retry_after") or 1)
+    if kind == "unavailable":
+        return UnavailableError(msg)
+    return InternalError(msg)
+
+
+class ServeClient:
+    def __init__(self, primary, *, keyer=None, fallback=None, fallback_policy: FallbackPolicy | None = None,
+                 fallback_tenants: frozenset[str] | set[str] = frozenset(),
+                 tenant_param: str = P.TENANT) -> None:
+        self.primary = primary                       # DeploymentHandle to TritonReplica
+        self.fallback = fallback                     # DeploymentHandle to the lighter model, or None
+        self.keyer = keyer                           # PrefixKeyer, or None: no prefix routing keys
+        self.fallback_policy = fallback_policy or FallbackPolicy()
+        self.tenant_param = tenant_param
+        self.fallback_tenants = frozenset(fallback_tenants)   # keys whose requests may degrade ("*": all)
+        self.metrics = RoutingMetrics()              # fallbacks (routing decisions: router.py)
+        self.ongoing = 0                             # primary requests open from this ingress
+        self.served: dict[str, str] = {}             # last few request id -> replica (tests, stats)
+
+    def generate(self, prompt: str | None = None, messages: list[dict] | None = None, *,
+                 request_id: str | None = None, params: dict | None = None,
+                 stream: bool = True) -> AsyncIterator[Chunk]:
+        if (prompt is None) == (messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self._stream(prompt, messages, request_id, dict(params or {}), stream)
+
+    async def _route(self, prompt, messages, params) -> list[str]:
+        if self.keyer is None:
+            return []
+        return await asyncio.to_thread(self.keyer.chain, prompt=prompt, messages=messages,
+                                       tenant=params.get(self.tenant_param))
+
+    async def _handle_for(self, params: dict):
+        opted = str(params.pop(FALLBACK_PARAM, "")).lower() in ("1", "true", "yes") or \
+            "*" in self.fallback_tenants or params.get(self.tenant_param) in self.fallback_tenants
+        if self.fallback is None or not opted:
+            return self.primary, None
+        healthy = await self._healthy_primaries()
+        reason = self.fallback_policy.use_fallback(opted_in=True, healthy_replicas=healthy,
+                                                   ongoing=self.ongoing, fallback_available=True)
+        if reason:
+            self.metrics.fell_back(reason)
+            return self.fallback, reason
+        return self.primary, None
+
+    async def _healthy_primaries(self) -> int:
+        try:
+            from ray import serve
+            status = serve.status()
+            for app in status.applications.values():
+                for name, dep in app.deployments.items():
+                    if name == self.primary.deployment_name:
+                        return int(dep.replica_states.get("RUNNING", 0))
+        except Exception:                            # noqa: BLE001 -- unknown: assume one
+            pass
+        return 1
+
+    async def _stream(self, prompt, messages, request_id, params, stream) -> AsyncIterator[Chunk]:
+        handle, reason = await self._handle_for(params)
+        request = {"prompt": prompt, "messages": messages, "request_id": request_id, "params": params,
+                   "stream": stream, "route": await self._route(prompt, messages, params), "avoid": []}
+        primary = handle is self.primary
+        self.ongoing += primary
+        try:
+            for attempt in range(ATTEMPTS):
+                started = False
+                gen = handle.options(stream=True).generate.remote(request)
+                try:
+                    async for item in gen:
+                        if "error" in item:
+                            err = rebuild_error(item["error"])
+                            if not started and item.get("replica_dead") and attempt + 1 < ATTEMPTS:
+                                request["avoid"].append(item["replica"])
+                                log.warning("%s: replica %s died before answering; retrying elsewhere",
+                                            request_id, item["replica"])
+                                break
+                            raise err
+                        started = True
+                        self._remember(request_id, item.get("replica"))
+                        yield Chunk(**{k: v for k, v in item.items() if k in _CHUNK_FIELDS})
+                    else:
+                        return
+                except TritonLLMError:
+                    raise
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:             # noqa: BLE001 -- the replica actor died, Ray errors
+                    if started or attempt + 1 == ATTEMPTS:
+                        raise UnavailableError(f"the replica serving {request_id} failed: "
+                                               f"{type(exc).__name__}") from None
+                    log.warning("%s: replica failed before answering (%s); retrying", request_id, exc)
+                    await asyncio.sleep(0.2 * (attempt + 1))
+                finally:
+                    gen.cancel()                     # no-op once finished; else aborts on the replica
+            raise UnavailableError(f"no replica could serve {request_id}")
+        finally:
+            self.ongoing -= primary
+
+    def _remember(self, request_id, replica) -> None:
+        if request_id and replica and request_id not in self.served:
+            self.served[request_id] = replica
+            while len(self.served) > 1000:
+                self.served.pop(next(iter(self.served)))
+
+    async def is_ready(self, timeout: float = 2.0) -> bool:
+        try:
+            return bool(await asyncio.wait_for(self.primary.is_ready.remote(), timeout))
+        except Exception:                            # noqa: BLE001
+            return False
+
+    async def context_window(self, timeout: float = 5.0) -> int:
+        try:
+            return int(await asyncio.wait_for(self.primary.context_window.remote(), timeout))
+        except TritonLLMError:
+            raise
+        except Exception as exc:                     # noqa: BLE001
+            raise UnavailableError(f"no replica reported its context window: {exc}") from None
+
+    async def close(self) -> None:
+        return None
