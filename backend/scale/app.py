@@ -36,6 +36,7 @@ class ScaleConfig:
     prefix_routing: bool = True                # False: Ray's default power-of-two-choices router
     imbalance: int = 4                         # load bound of the prefix router (ongoing requests)
     replica_cpus: float = 1.0
+    replica_gpus: float = 0.0                  # 1 on GPU nodes: one engine per GPU
     ingress_cpus: float = 0.5
     health_check_period_s: float = 2.0
     health_check_timeout_s: float = 10.0
@@ -54,7 +55,7 @@ class ScaleConfig:
 
 def _replica_options(cfg: ScaleConfig, name: str, replicas: int, autoscale: bool) -> dict:
     opts = dict(name=name, max_ongoing_requests=cfg.max_ongoing_requests,
-                ray_actor_options={"num_cpus": cfg.replica_cpus},
+                ray_actor_options={"num_cpus": cfg.replica_cpus, "num_gpus": cfg.replica_gpus},
                 health_check_period_s=cfg.health_check_period_s,
                 health_check_timeout_s=cfg.health_check_timeout_s,
                 graceful_shutdown_timeout_s=cfg.graceful_shutdown_s,
@@ -85,3 +86,9 @@ def build_app(cfg: ScaleConfig):
         primary, fallback, model_dir=cfg.model_dir, block_size=cfg.block_size,
         prefix_routing=cfg.prefix_routing, shim=cfg.shim, fallback_tenants=cfg.fallback_tenants,
         fallback_max_ongoing=cfg.fallback_max_ongoing)
+
+
+def app_builder(args: dict):
+    """Ray Serve's config-file entry (``import_path: backend.scale.app:app_builder``, ``args`` = the
+    ScaleConfig fields), used by docker/kuberay/rayservice.yaml and ``serve run``."""
+    return build_app(ScaleConfig(**args))
