@@ -44,6 +44,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.model is None:
         args.model = str(ensure_default_model())
     args.engine_option = serve_engine_options(args.engine_option)
+    if getattr(args, "replicas", None):               # scale-out: Ray Serve (backend/scale)
+        from backend.scale.run import serve_replicas
+        return serve_replicas(args)
     return serve_main(args)
 
 
@@ -95,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="engine option (see backend/config.py EngineArgs), repeatable")
     sv.add_argument("--api-keys", default=None, help="file of API keys for the shim (KEY[:TENANT] per line)")
     sv.add_argument("--workdir", default=None, help="where the generated model repository and logs go")
+    from backend.scale.run import add_arguments as add_scale_arguments
+    add_scale_arguments(sv)
     sv.set_defaults(func=_cmd_serve)
 
     ch = sub.add_parser("chat", help="terminal chat that streams from the ensemble")
