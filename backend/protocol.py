@@ -124,6 +124,10 @@ TENANT = "tenant"                   # salts the prefix cache: tenants never shar
 REQUEST_PRIORITY = "request_priority"
 REQUEST_TIMEOUT = "request_timeout"
 ABORT_REQUEST_ID = "abort_request_id"   # a control request to the engine: stop that request
+                                        # (only a request of the same tenant)
+CACHE_SALT = "cache_salt"           # honoured only with the engine option allow_client_salt
+TEST_FAULT = "test_fault"           # tests only: engine option test_faults + TRITON_LLM_TEST_FAULTS=1
+MAX_TENANT_CHARS = 256
 # Structured outputs (backend/structured/spec.py): JSON values as JSON text.
 RESPONSE_FORMAT = "response_format"       # OpenAI: {"type": "json_object" | "json_schema", ...}
 GUIDED_JSON = "guided_json"               # vLLM's names, for direct Triton clients

@@ -26,7 +26,7 @@ from typing import Any, Callable
 from backend.engine.admission import check_queue, duplicate_id, validate_request
 from backend.engine.llm_engine import LLMEngine
 from backend.engine.stats import EngineStats
-from backend.errors import EngineError, internal, unavailable
+from backend.errors import EngineError, internal, queue_full, unavailable
 from backend.outputs import STOP, StepDelta
 from backend.sampling_params import SamplingParams
 
@@ -53,16 +53,28 @@ class AbortRequest:
 
 
 
+_CRASH = object()            # tests: makes the engine thread raise (EngineLoop.inject_crash)
+
+
 @dataclass(slots=True)
 class _Open:
     """A submitted request until its last choice's final delta went to the sink."""
     sink: Sink
     remaining: int           # choices not final yet
+    tenant: str = ""
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, *, name: str = "engine-loop"):
+    def __init__(self, engine: LLMEngine, *, name: str = "engine-loop", fairness=None,
+                 max_open_per_tenant: int = 0):
         self.engine = engine
+        # Tenant fairness (backend/engine/fairness.py): the scheduler's hook, and the per-tenant
+        # bound on open requests (running cap + waiting cap) checked here at submit.
+        self.fairness = fairness
+        if fairness is not None:
+            engine.scheduler.fairness = fairness
+        self.max_open_per_tenant = max_open_per_tenant
+        self._per_tenant: dict[str, int] = {}
         self.limits = engine.limits              # immutable: safe to read from any thread
         self.grammars = getattr(engine, "grammars", None)   # structured outputs' compile cache (thread-safe)
         self.healthy = True
@@ -80,7 +92,7 @@ class EngineLoop:
     # -- any thread ------------------------------------------------------------------------
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams | None = None, *,
                sink: Sink, stream: bool = True, salt: str | None = None, priority: int = 0,
-               deadline: float | None = None) -> None:
+               deadline: float | None = None, tenant: str | None = None) -> None:
         """Queue a request; its StepDeltas go to ``sink``. Raises EngineError synchronously:
         invalid_request, queue_full, or unavailable (crashed or shutting down)."""
         if not self.healthy:
@@ -92,23 +104,41 @@ class EngineLoop:
         validate_request(self.limits, request_id, prompt_ids, params)
         if self.grammars is not None:           # a bad schema is a 400 here; compiled once, cached
             self.grammars.prepare(params)
+        tenant = tenant or ""
         with self._lock:
             if request_id in self._open:
                 raise duplicate_id(request_id)
             check_queue(self.limits, self._engine_waiting + self._queued)
-            self._open[request_id] = _Open(sink, params.n)
+            if self.max_open_per_tenant and self._per_tenant.get(tenant, 0) >= self.max_open_per_tenant:
+                raise queue_full(f"tenant {tenant!r} has {self.max_open_per_tenant} requests open "
+                                 "(max_running_per_tenant + max_waiting_per_tenant)", retry_after=1.0)
+            self._open[request_id] = _Open(sink, params.n, tenant)
+            self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + 1
             self._queued += 1
+        if self.fairness is not None:
+            self.fairness.register(request_id, tenant)
         self._intake.put(AddRequest(request_id, prompt_ids, params, stream, salt, priority, deadline))
 
-    def abort(self, request_id: str) -> Future:
+    def abort(self, request_id: str, tenant: str | None = None) -> Future:
         """Abort between steps. The future resolves to the time.monotonic() instant the request's
-        blocks were freed, or None if it was not open (already finished or unknown)."""
+        blocks were freed, or None if it was not open (already finished or unknown). With
+        ``tenant`` given, only a request of that tenant is aborted (another's counts as unknown)."""
         fut: Future = Future()
+        if tenant is not None:
+            with self._lock:
+                entry = self._open.get(request_id)
+            if entry is not None and entry.tenant != (tenant or ""):
+                fut.set_result(None)
+                return fut
         if not self._thread.is_alive():          # stopped or crashed: nothing is open any more
             fut.set_result(None)
         else:
             self._intake.put(AbortRequest(request_id, fut))
         return fut
+
+    def inject_crash(self) -> None:
+        """Tests only (guarded by the caller): the engine thread raises before its next step."""
+        self._intake.put(_CRASH)
 
     def stats(self) -> EngineStats:
         """The snapshot published after the last step (safe from any thread)."""
@@ -166,6 +196,8 @@ class EngineLoop:
         while True:
             if cmd is STOP:
                 return False
+            if cmd is _CRASH:
+                raise RuntimeError("injected engine fault (test_fault=crash_engine)")
             if isinstance(cmd, AddRequest):
                 self._add(cmd)
             else:
@@ -197,6 +229,13 @@ class EngineLoop:
                 if entry.remaining == 0:
                     with self._lock:
                         self._open.pop(d.request_id, None)
+                        left = self._per_tenant.get(entry.tenant, 1) - 1
+                        if left > 0:
+                            self._per_tenant[entry.tenant] = left
+                        else:
+                            self._per_tenant.pop(entry.tenant, None)
+                    if self.fairness is not None:
+                        self.fairness.forget(d.request_id)
             try:
                 sink = entry.sink
                 sink.put(d) if isinstance(sink, queue.Queue) else sink(d)

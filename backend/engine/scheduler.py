@@ -188,6 +188,8 @@ class Scheduler:
         return num_new
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        if getattr(self, "fairness", None) is not None:     # tenant caps + aging (engine/fairness.py)
+            self.fairness.before_admit(self)
         now = time.monotonic()
         seats_used = self._seats_in_use()
         while budget > 0:

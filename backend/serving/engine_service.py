@@ -35,7 +35,8 @@ class EngineService:
                  sweep_interval: float = 0.1, tombstone_ttl: float = 30.0, stream_interval: float = 0.0,
                  cancel_check_interval: float = CANCEL_CHECK_INTERVAL,
                  clock: Callable[[], float] = time.monotonic, start: bool = True,
-                 q: queue.Queue | None = None, drain_timeout: float = 30.0) -> None:
+                 q: queue.Queue | None = None, drain_timeout: float = 30.0,
+                 allow_client_salt: bool = False, test_faults: bool = False) -> None:
         self.loop = loop
         self.drain_timeout = drain_timeout
         self.metrics = metrics
@@ -43,7 +44,8 @@ class EngineService:
         self.responses = ResponseThread(loop, self.tombstones, metrics=metrics, stream_interval=stream_interval,
                                         sweep_interval=sweep_interval,
                                         cancel_check_interval=cancel_check_interval, clock=clock, q=q)
-        self.intake = Intake(loop, self.responses, self.tombstones, max_model_len=max_model_len, clock=clock)
+        self.intake = Intake(loop, self.responses, self.tombstones, max_model_len=max_model_len, clock=clock,
+                             allow_client_salt=allow_client_salt, test_faults=test_faults)
         self.drain_watch = None
         if start:
             self.responses.start()
@@ -93,14 +95,23 @@ def build_engine_service(model_dir: str, params: dict[str, str], *, metrics_fact
 
     known = {f.name for f in fields(EngineArgs)}
     args = EngineArgs.from_dict({k: v for k, v in params.items() if k in known})
+    from backend.engine.fairness import TenantFairness
+
     engine = LLMEngine(model_dir, args)
-    loop = EngineLoop(engine)
+    fairness = TenantFairness(max_running_per_tenant=args.max_running_per_tenant, aging_s=args.priority_aging_s)
+    max_open = 0
+    if args.max_running_per_tenant and args.max_waiting_per_tenant:
+        max_open = args.max_running_per_tenant + args.max_waiting_per_tenant
+    elif args.max_waiting_per_tenant:
+        max_open = args.max_num_seqs + args.max_waiting_per_tenant
+    loop = EngineLoop(engine, fairness=fairness if fairness.active else None, max_open_per_tenant=max_open)
     metrics = None
     if metrics_factory is not None:
         metrics = ServingMetrics(metrics_factory, stats=loop.stats, healthy=lambda: loop.healthy,
                                  labels=labels)
     service = EngineService(loop, max_model_len=engine.max_model_len, metrics=metrics,
-                            stream_interval=args.stream_interval, drain_timeout=args.shutdown_drain_s)
+                            stream_interval=args.stream_interval, drain_timeout=args.shutdown_drain_s,
+                            allow_client_salt=args.allow_client_salt, test_faults=args.test_faults)
     if args.drain_file:
         service.watch_drain(args.drain_file)
     return service

@@ -8,15 +8,17 @@ no ``input_ids`` is an explicit abort of that request, answered once the engine 
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 from typing import Any, Callable
 
+from backend import protocol as P
 from backend.errors import EngineError, invalid_request, unavailable
 from backend.outputs import StepDelta
 from backend.serving.errors import as_engine_error
 from backend.serving.messages import ControlAnswered, DeltaArrived, Incoming, Opened, Rejected, RequestHandle
-from backend.serving.request_params import fit_context, parse_parameters, request_settings
+from backend.serving.request_params import cache_salt, fit_context, parse_parameters, request_settings
 from backend.serving.response_thread import ResponseThread
 from backend.serving.tombstones import AbortTombstones
 
@@ -25,8 +27,12 @@ log = logging.getLogger(__name__)
 
 class Intake:
     def __init__(self, loop: Any, responses: ResponseThread, tombstones: AbortTombstones, *,
-                 max_model_len: int, clock: Callable[[], float] = time.monotonic) -> None:
+                 max_model_len: int, clock: Callable[[], float] = time.monotonic,
+                 allow_client_salt: bool = False, test_faults: bool = False) -> None:
         self.loop = loop
+        self.allow_client_salt = allow_client_salt
+        # Fault injection for tests: needs the engine option *and* the environment variable.
+        self.test_faults = test_faults and os.environ.get("TRITON_LLM_TEST_FAULTS") == "1"
         self.responses = responses
         self.tombstones = tombstones
         self.max_model_len = max_model_len
@@ -46,10 +52,17 @@ class Intake:
 
     def _admit(self, h: RequestHandle, inc: Incoming, now: float) -> None:
         params = parse_parameters(inc.parameters)
-        target = params.get("abort_request_id")
+        target = params.get(P.ABORT_REQUEST_ID)
         if target not in (None, ""):
-            self._control(str(target), inc.responder, now)
+            tenant = params.get(P.TENANT)
+            self._control(str(target)[:P.MAX_TENANT_CHARS], inc.responder, now,
+                          "" if tenant is None else str(tenant))
             return
+        if self.test_faults and params.get(P.TEST_FAULT) == "crash_engine":
+            self.loop.inject_crash()
+        if inc.oversize:
+            raise invalid_request("input_ids", f"input_ids has {inc.oversize} tokens; the context window "
+                                               f"is {self.max_model_len}")
         if inc.input_ids is None:
             raise invalid_request("input_ids", "input_ids is required (or the abort_request_id parameter)")
         if not self.accepting:
@@ -68,10 +81,11 @@ class Intake:
         deadline = now + min(timeouts) if timeouts else None
         post(Opened(h))                     # before the engine can produce a delta for it
         self.loop.submit(h.rid, inc.input_ids, settings.sampling, sink=lambda d: post(DeltaArrived(h, d)),
-                         stream=settings.stream, salt=settings.tenant, priority=settings.priority,
-                         deadline=deadline)
+                         stream=settings.stream, salt=cache_salt(settings, self.allow_client_salt),
+                         priority=settings.priority, deadline=deadline, tenant=settings.tenant)
 
-    def _control(self, target: str, responder: Any, now: float) -> None:
+    def _control(self, target: str, responder: Any, now: float, tenant: str) -> None:
+        """An abort stops only a request of the caller's own tenant (the ``tenant`` parameter)."""
         self.tombstones.leave(target)
-        fut = self.loop.abort(target)
+        fut = self.loop.abort(target, tenant=tenant)
         fut.add_done_callback(lambda f: self.responses.post(ControlAnswered(target, responder, now, f)))

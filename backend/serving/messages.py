@@ -36,6 +36,8 @@ class Incoming:
     parameters: str | dict | None
     responder: Responder
     timeout_s: float | None = None          # Triton's own request timeout, if the client set one
+    oversize: int = 0                       # input_ids longer than the context window: its length
+                                            # (model.py checks before converting to a list)
 
 
 @dataclass(eq=False)                        # identity: two requests may share an id (one is rejected)

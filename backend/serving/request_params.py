@@ -34,6 +34,7 @@ class RequestSettings:
     tenant: str | None = None
     priority: int = 0
     timeout: float | None = None        # seconds from arrival
+    cache_salt: str | None = None       # used only with the engine option allow_client_salt
     extra: dict = field(default_factory=dict)
 
 
@@ -52,19 +53,29 @@ def parse_parameters(raw: str | dict | None) -> dict:
     return value
 
 
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+PRIORITY_RANGE = (-1_000_000, 1_000_000)
+
+
 def _as_int(name: str, v) -> int:
+    """An integer parameter; anything outside int64 is invalid (it would overflow downstream)."""
+    out = None
     if isinstance(v, bool):
         raise invalid_request(name, f"{name} must be an integer, got {v!r}")
     if isinstance(v, int):
-        return v
-    if isinstance(v, float) and math.isfinite(v) and v == int(v):
-        return int(v)
-    if isinstance(v, str):
+        out = v
+    elif isinstance(v, float) and math.isfinite(v) and v == int(v):
+        out = int(v)
+    elif isinstance(v, str) and len(v) <= 40:
         try:
-            return int(v.strip())
+            out = int(v.strip())
         except ValueError:
             pass
-    raise invalid_request(name, f"{name} must be an integer, got {v!r}")
+    if out is None:
+        raise invalid_request(name, f"{name} must be an integer, got {str(v)[:40]!r}")
+    if not INT64_MIN <= out <= INT64_MAX:
+        raise invalid_request(name, f"{name} is out of range (a 64-bit integer is expected)")
+    return out
 
 
 def _as_float(name: str, v) -> float:
@@ -160,17 +171,39 @@ def request_settings(params: dict) -> RequestSettings:
         if not 0 < timeout <= MAX_TIMEOUT:
             raise invalid_request(tname, f"{tname} must be in (0, {MAX_TIMEOUT:.0f}] seconds, got {timeout}")
     pname = P.REQUEST_PRIORITY if P.REQUEST_PRIORITY in p else PLAIN_PRIORITY
-    tenant = p.get(P.TENANT)
-    if tenant is not None and not isinstance(tenant, str):
-        tenant = str(tenant)
+    tenant = _short_str(P.TENANT, p.get(P.TENANT))
+    priority = _as_int(pname, p[pname]) if pname in p else 0
+    if not PRIORITY_RANGE[0] <= priority <= PRIORITY_RANGE[1]:
+        raise invalid_request(pname, f"{pname} must be in [{PRIORITY_RANGE[0]}, {PRIORITY_RANGE[1]}]")
+    for t in sampling.stop_token_ids or ():
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= INT64_MAX:
+            raise invalid_request(P.STOP_TOKEN_IDS, "stop_token_ids must be non-negative integers")
     return RequestSettings(
         sampling=sampling,
         stream=_as_bool(P.STREAM, p[P.STREAM]) if P.STREAM in p else True,
         max_tokens_given=P.MAX_TOKENS in p,
         tenant=tenant or None,
-        priority=_as_int(pname, p[pname]) if pname in p else 0,
+        priority=priority,
         timeout=timeout,
+        cache_salt=_short_str(P.CACHE_SALT, p.get(P.CACHE_SALT)) or None,
     )
+
+
+def _short_str(name: str, v) -> str | None:
+    if v is None:
+        return None
+    v = v if isinstance(v, str) else str(v)
+    if len(v) > P.MAX_TENANT_CHARS:
+        raise invalid_request(name, f"{name} is longer than {P.MAX_TENANT_CHARS} characters")
+    return v
+
+
+def cache_salt(settings: "RequestSettings", allow_client_salt: bool) -> str | None:
+    """The prefix-cache salt: the tenant's, namespaced so no client-chosen ``cache_salt`` can
+    equal it; a client's own ``cache_salt`` only when the server allows it (docs/serving.md)."""
+    if allow_client_salt and settings.cache_salt:
+        return f"client:{settings.cache_salt}"
+    return f"tenant:{settings.tenant}" if settings.tenant else None
 
 
 def fit_context(settings: RequestSettings, prompt_len: int, context_window: int, param: str) -> None:

@@ -197,3 +197,107 @@ def test_idle_audit_stops_a_loop_whose_allocator_broke():
         assert exc.value.kind is ErrorKind.UNAVAILABLE
     finally:
         loop.shutdown(drain=False)
+
+
+# -- tenant fairness (backend/engine/fairness.py), issue 19 -------------------------------------
+def _fair_loop(max_running=2, max_waiting=0, aging_s=0.0, **kw):
+    from backend.engine.fairness import TenantFairness
+
+    engine = LLMEngine(model_dir("tiny"), EngineArgs(num_threads=1, num_kv_blocks=128, max_num_seqs=4, **kw))
+    fair = TenantFairness(max_running_per_tenant=max_running, aging_s=aging_s)
+    max_open = max_running + max_waiting if max_waiting else 0
+    return EngineLoop(engine, fairness=fair, max_open_per_tenant=max_open)
+
+
+def _first_token_order(loop, submits, timeout=60.0):
+    """Submit (rid, tenant, priority) in order; return rids by first-token time and the most
+    sequences any tenant held running at once (sampled on the engine thread via the sink)."""
+    firsts, done, peak = [], threading.Event(), {}
+    lock = threading.Lock()
+    left = [len(submits)]
+    tenant_of = {rid: t for rid, t, _ in submits}
+
+    def sink_for(rid):
+        def sink(d):
+            with lock:
+                if rid not in firsts and d.new_token_ids:
+                    firsts.append(rid)
+                running = {}
+                for s in loop.engine.scheduler.running:          # engine thread: safe to read here
+                    t = tenant_of.get(s.request.request_id)
+                    running[t] = running.get(t, 0) + 1
+                for t, c in running.items():
+                    peak[t] = max(peak.get(t, 0), c)
+                if d.finished:
+                    left[0] -= 1
+                    if left[0] == 0:
+                        done.set()
+        return sink
+
+    for rid, tenant, prio in submits:
+        loop.submit(rid, P, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                    sink=sink_for(rid), tenant=tenant, priority=prio)
+    assert done.wait(timeout)
+    return firsts, peak
+
+
+def test_a_flooding_tenant_cannot_take_every_seat():
+    loop = _fair_loop(max_running=2)
+    try:
+        flood = [(f"a{i}", "A", 0) for i in range(12)]
+        firsts, peak = _first_token_order(loop, flood + [("b0", "B", 0), ("b1", "B", 0)])
+        # B arrived behind 12 of A's requests, yet both of its requests start while A still has
+        # most of its flood waiting: A never holds more than its 2 seats of the 4.
+        assert peak["A"] == 2
+        assert firsts.index("b0") < 4 and firsts.index("b1") < 4, firsts
+    finally:
+        loop.shutdown(drain=False)
+
+
+def test_per_tenant_waiting_limit_is_queue_full_for_that_tenant_only():
+    loop = _fair_loop(max_running=1, max_waiting=2)
+    try:
+        sink = queue.Queue()
+        long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+        for i in range(3):                  # 1 running + 2 waiting
+            loop.submit(f"a{i}", P, long, sink=sink, tenant="A")
+        with pytest.raises(EngineError) as info:
+            loop.submit("a3", P, long, sink=sink, tenant="A")
+        assert info.value.kind is ErrorKind.QUEUE_FULL and "tenant 'A'" in info.value.message
+        loop.submit("b0", P, long, sink=sink, tenant="B")       # another tenant is still admitted
+    finally:
+        loop.shutdown(drain=False)
+
+
+def test_aging_lets_a_low_priority_request_run_while_high_priority_ones_keep_arriving():
+    loop = _fair_loop(max_running=0, aging_s=0.05)
+    try:
+        started = threading.Event()
+        q = queue.Queue()
+        loop.submit("low", P, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                    sink=lambda d: started.set() if d.new_token_ids else None, priority=5)
+        t_end = time.monotonic() + 20
+        i = 0
+        while not started.is_set() and time.monotonic() < t_end:   # priority-0 work never stops coming
+            for _ in range(4):
+                loop.submit(f"h{i}", P, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                            sink=q, priority=0)
+                i += 1
+            time.sleep(0.05)
+        # Without aging "low" waits as long as priority-0 requests keep arriving (here: 20 s).
+        assert started.is_set(), f"starved behind {i} requests"
+    finally:
+        loop.shutdown(drain=False)
+
+
+def test_abort_only_reaches_a_request_of_the_same_tenant():
+    loop = make_loop()
+    try:
+        q = queue.Queue()
+        loop.submit("victim", P, SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True), sink=q,
+                    tenant="alice")
+        assert loop.abort("victim", tenant="mallory").result(timeout=5) is None
+        assert loop.abort("victim", tenant="alice").result(timeout=5) is not None
+        assert collect(q)[-1].finish_reason == "abort"
+    finally:
+        loop.shutdown(drain=False)

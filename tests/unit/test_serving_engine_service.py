@@ -85,7 +85,7 @@ class FakeLoop:
             self.running.discard(rid)
         self.sinks[rid](d)
 
-    def abort(self, rid):
+    def abort(self, rid, tenant=None):
         self.aborts.append(rid)
         fut = Future()
         fut.set_result(self.clock() + 0.001 if rid in self.running else None)

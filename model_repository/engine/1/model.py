@@ -68,6 +68,7 @@ class TritonPythonModel:
         self.metric_factory = MetricFactory()
         self.service = build_engine_service(str(model_dir), params, metrics_factory=self.metric_factory,
                                             labels=labels)
+        self.max_input = self.service.intake.max_model_len
 
     @staticmethod
     def _config(args):
@@ -77,12 +78,18 @@ class TritonPythonModel:
     def execute(self, requests):
         for request in requests:
             tensor = pb_utils.get_input_tensor_by_name(request, P.INPUT_IDS)
-            ids = None if tensor is None else [int(t) for t in tensor.as_numpy().reshape(-1)]
+            ids, oversize = None, 0
+            if tensor is not None:
+                arr = tensor.as_numpy().reshape(-1)
+                if arr.size > self.max_input:       # never build a huge list: reject by length
+                    oversize = int(arr.size)
+                else:
+                    ids = arr.tolist()
             timeout_us = request.timeout() if hasattr(request, "timeout") else 0
             self.service.submit(Incoming(
                 request_id=request.request_id(), input_ids=ids, parameters=request.parameters(),
                 responder=Responder(request.get_response_sender()),
-                timeout_s=timeout_us / 1e6 if timeout_us else None))
+                timeout_s=timeout_us / 1e6 if timeout_us else None, oversize=oversize))
         return None
 
     def finalize(self):
