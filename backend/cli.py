@@ -30,7 +30,8 @@ def _cmd_import_gguf(args: argparse.Namespace) -> int:
     from backend.model.gguf_reader import GGUFError
 
     try:
-        import_gguf(args.file, args.out, dtype=args.dtype, progress=lambda m: print(m, flush=True))
+        import_gguf(args.file, args.out, dtype=args.dtype, progress=lambda m: print(m, flush=True),
+                    keep_quantized=args.keep_quantized)
     except (GGUFError, FileNotFoundError) as exc:
         print(f"import-gguf: {exc}", file=sys.stderr)
         return 2
@@ -81,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     ig.add_argument("--out", required=True, help="checkpoint directory to write (replaced if present)")
     ig.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                     help="dtype of the dequantized weights (default float32: exact)")
+    ig.add_argument("--keep-quantized", action="store_true",
+                    help="keep Q8_0/Q4_0/Q4_1 layer weights packed (int8/int4, docs/quantization.md)")
     ig.set_defaults(func=_cmd_import_gguf)
 
     sv = sub.add_parser("serve", help="start tritonserver on the model repository and the OpenAI shim")

@@ -69,8 +69,11 @@ def _write_weights(tensors, tmp: pathlib.Path, dtype: str, progress) -> tuple[in
 
 
 def import_gguf(path: str | pathlib.Path, out: str | pathlib.Path, *, dtype: str = "float32",
-                progress=print) -> ImportResult:
-    """Convert one GGUF; GGUFError (a ValueError) when the file is not supported, before writing."""
+                progress=print, keep_quantized: bool = False) -> ImportResult:
+    """Convert one GGUF; GGUFError (a ValueError) when the file is not supported, before writing.
+
+    ``keep_quantized``: the layer projections keep their Q8_0 / Q4_0 / Q4_1 blocks in our int8 /
+    int4 layouts (backend/quant/gguf.py) and config.json gets a ``quantization_config``."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)} (got {dtype!r})")
     start = time.perf_counter()
@@ -86,8 +89,20 @@ def import_gguf(path: str | pathlib.Path, out: str | pathlib.Path, *, dtype: str
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        params, names = _write_weights(tensors, tmp, dtype, progress)
+        if keep_quantized:
+            import numpy as np
+            from backend.quant.gguf import quantized_state
+            from safetensors.torch import save_file
+            state, qconfig, counts = quantized_state(tensors, dtype, progress)
+            save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            params, names = sum(int(np.prod(t.shape)) for t in tensors), {t.name for t in tensors}
+            if progress:
+                progress(f"[import-gguf] kept quantized: {qconfig['source']} -> bits={qconfig['bits']} ({counts})")
+        else:
+            params, names = _write_weights(tensors, tmp, dtype, progress)
         config = hf_config(gf, tok, tensor_names=names, dtype=dtype)
+        if keep_quantized:
+            config.quantization_config = qconfig
         config.save_pretrained(tmp)
         (tmp / "generation_config.json").write_text(json.dumps(generation_config(tok), indent=2) + "\n")
         tok.save(tmp)

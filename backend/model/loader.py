@@ -21,7 +21,7 @@ from backend.model.config import ModelConfig
 from backend.model.llama import LlamaForCausalLM, RotaryEmbedding
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_FUSED = re.compile(r"^(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
+_FUSED = re.compile(r"^(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias|qweight|scales|zeros)$")
 # CPU flags that make bf16 matmuls pay (oneDNN's AMX tiles or AVX-512 bf16 dot products). On
 # AVX2-only CPUs bf16 GEMMs convert to fp32 internally and run slower than fp32 ones.
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
@@ -87,19 +87,31 @@ def _fused_slice(cfg: ModelConfig, proj: str) -> tuple[str, int, int]:
 
 def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
     """Replace every meta parameter with uninitialized storage of the target dtype/device."""
+    from backend.quant.apply import module_dtypes     # quantized tensors keep their own dtypes
+
     for module in model.modules():
+        dtypes = module_dtypes(module, dtype)
         for name, p in list(module._parameters.items()):
             if p is not None:
                 module._parameters[name] = nn.Parameter(
-                    torch.empty(p.shape, dtype=dtype, device=device), requires_grad=False)
+                    torch.empty(p.shape, dtype=dtypes[name], device=device), requires_grad=False)
 
 
 def load_model(model_dir: str | pathlib.Path, cfg: ModelConfig, *, dtype: torch.dtype,
-               device: str | torch.device = "cpu", max_positions: int | None = None) -> LlamaForCausalLM:
-    """Build the model and fill every parameter from the checkpoint; ValueError on any mismatch."""
+               device: str | torch.device = "cpu", max_positions: int | None = None,
+               quantization: str = "none", quant_group_size: int = 32) -> LlamaForCausalLM:
+    """Build the model and fill every parameter from the checkpoint; ValueError on any mismatch.
+
+    ``quantization`` int8/int4 quantizes the decoder projections after loading (backend/quant); a
+    checkpoint with a ``quantization_config`` is loaded quantized as it is stored."""
+    from backend.quant.apply import checkpoint_quant_config, finish_load, prepare_quantized
+
     device = torch.device(device)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, rotary=None)
+        qc = checkpoint_quant_config(model_dir)
+        if qc:
+            prepare_quantized(model, qc)
     _materialize(model, dtype, device)
     model.rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope, device)
     params = dict(model.named_parameters())
@@ -133,4 +145,5 @@ def load_model(model_dir: str | pathlib.Path, cfg: ModelConfig, *, dtype: torch.
     if absent:
         raise ValueError(f"{model_dir}: checkpoint lacks {', '.join(absent[:5])}"
                          f"{' ...' if len(absent) > 5 else ''}")
+    finish_load(model, model_dir, quantization, quant_group_size)
     return model.eval()

@@ -53,7 +53,8 @@ class ModelRunner:
         self.dtype = parse_dtype(args.dtype, self.device)
         self.config = cfg = load_model_config(model_dir)
         max_len = model_max_len(cfg, args)
-        self.model = load_model(model_dir, cfg, dtype=self.dtype, device=self.device, max_positions=max_len)
+        self.model = load_model(model_dir, cfg, dtype=self.dtype, device=self.device, max_positions=max_len,
+                                quantization=args.quantization, quant_group_size=args.quant_group_size)
         self.attention = make_attention_backend(args.attention_backend, self.device)
 
         shape = dict(num_layers=cfg.num_layers, block_size=args.block_size, num_kv_heads=cfg.num_kv_heads,

@@ -14,8 +14,9 @@ one output row) maps onto one of our rows.
                                              g = k // G, G a multiple of 32
 
 Scales are fp16 (as in GGUF) and q is computed against the *rounded* scale, so the stored pair is
-self-consistent. int4 is asymmetric (min/max per group, the grid shrunk where that lowers the
-group's squared error): on a 135M model the zero point is worth several points of perplexity.
+self-consistent. int4 is asymmetric (min/max per group, as GGUF Q4_1): a zero point costs 2 bytes
+per group and keeps one-sided groups from wasting half the grid. (A per-group clipping search was
+tried and dropped: 5x the load-time cost for quantizing a 135M model, ~1.5 min on 2 cores.)
 """
 from __future__ import annotations
 
@@ -25,8 +26,6 @@ import torch
 
 METHODS = ("none", "int8", "int4")
 INT4_BLOCK = 32
-# Shrink factors tried for each int4 group's [min, max] range (1.0 = plain min/max).
-_INT4_SHRINK = (1.0, 0.95, 0.9, 0.85, 0.8)
 
 
 @dataclass
@@ -95,29 +94,17 @@ def unpack_int4(packed: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def quantize_int4(w: torch.Tensor, group_size: int = 32) -> QuantWeight:
-    """Asymmetric group-wise int4 (see module docstring), fp32 search, fp16 scales/zeros."""
+    """Asymmetric group-wise int4 (min/max grid per group), fp16 scales/zeros."""
     check_group_size("int4", group_size)
     n, k = w.shape
     wg, valid = _pad_groups(w.float(), group_size)
     lo = torch.where(valid, wg, torch.inf).amin(-1)
     hi = torch.where(valid, wg, -torch.inf).amax(-1)
-    best_err = best = None
-    for r in _INT4_SHRINK:
-        scale = ((hi - lo) * r / 15).clamp_min(1e-8).half()
-        zero = (lo * r + 8 * scale.float()).half()        # W = (q-8)*s + z, q = 0 maps to lo * r
-        s, z = scale.float().unsqueeze(-1), zero.float().unsqueeze(-1)
-        q = torch.round((wg - z) / s + 8).clamp_(0, 15)
-        err = (((q - 8) * s + z - wg) ** 2 * valid).sum(-1)
-        if best is None:
-            best_err, best = err, (q, scale, zero)
-        else:
-            better = err < best_err
-            best_err = torch.where(better, err, best_err)
-            best = (torch.where(better.unsqueeze(-1), q, best[0]), torch.where(better, scale, best[1]),
-                    torch.where(better, zero, best[2]))
-    q, scale, zero = best
-    q = q.to(torch.uint8).view(n, -1)[:, :k]
-    return QuantWeight("int4", pack_int4(q), scale.contiguous(), zero.contiguous(), group_size, k)
+    scale = ((hi - lo) / 15).clamp_min(1e-8).half()
+    zero = (lo + 8 * scale.float()).half()                # W = (q-8)*s + z: q = 0 maps to lo
+    s, z = scale.float().unsqueeze(-1), zero.float().unsqueeze(-1)
+    q = torch.round((wg - z) / s + 8).clamp_(0, 15).to(torch.uint8).view(n, -1)[:, :k]
+    return QuantWeight("int4", pack_int4(q), scale, zero, group_size, k)
 
 
 def quantize(w: torch.Tensor, method: str, group_size: int) -> QuantWeight:
