@@ -20,6 +20,9 @@ from backend.structured.tool_prompt import keep_tool_fields, template_inputs, to
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
+CHARS_PER_TOKEN_CAP = 16       # prompt characters accepted per context-window token
+
+
 def load_tokenizer(model_dir: str | pathlib.Path):
     from transformers import PreTrainedTokenizerFast
 
@@ -87,6 +90,16 @@ class Preprocessor:
         settings = request_settings(params)
         if (text_input is None) == (messages is None):
             raise invalid_request(P.TEXT_INPUT, "give exactly one of text_input (a prompt) or messages (chat JSON)")
+        # Bounded before any work: a token is rarely longer than a few characters, so text past
+        # CHARS_PER_TOKEN_CAP characters per context-window token can never fit; reject it
+        # before JSON parsing and tokenization spend time and memory on it.
+        limit = self.context_window * CHARS_PER_TOKEN_CAP
+        given = text_input if messages is None else messages
+        if len(given) > limit:
+            raise invalid_request(P.TEXT_INPUT if messages is None else P.MESSAGES,
+                                  f"the prompt has {len(given)} characters; at most {limit} "
+                                  f"({CHARS_PER_TOKEN_CAP} per token of the {self.context_window}-token "
+                                  "context window) are accepted")
         if messages is not None:
             ids, param = self.encode_messages(parse_messages(messages), tools_from_params(params)), P.MESSAGES
         else:

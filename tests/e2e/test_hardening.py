@@ -1,0 +1,65 @@
+"""Issue 19 through Triton directly: duplicate ids, tenant-scoped aborts, bounded inputs."""
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+
+from tests.e2e.helpers import Result, Stream, generate, make_inputs
+
+pytestmark = pytest.mark.e2e
+
+
+def _open_long(server, rid, **params):
+    s = Stream(server)
+    res = Result(rid)
+    s.send("engine", make_inputs(input_ids=[5, 6, 7, 8]), rid,
+           dict(max_tokens=150, temperature=0.0, ignore_eos=True, **params))
+    s.collect(res, until_responses=1, timeout=60)
+    return s, res
+
+
+def test_duplicate_request_id_is_rejected_and_the_first_runs_on(triton_server):
+    rid = f"dup-{uuid.uuid4().hex}"
+    s, first = _open_long(triton_server, rid)
+    try:
+        second = generate(triton_server, "engine", input_ids=[1, 2, 3], request_id=rid, max_tokens=4)
+        assert second.error is not None and "[invalid_request param=request_id]" in second.error
+        s.collect(first, timeout=60)
+        assert first.error is None and first.finals == 1
+        assert first.finish_reason == "length" and len(first.ids) == 150     # not overwritten
+    finally:
+        s.close()
+
+
+def test_abort_only_stops_a_request_of_the_same_tenant(triton_server):
+    rid = f"ten-{uuid.uuid4().hex}"
+    s, res = _open_long(triton_server, rid, tenant="alice")
+    try:
+        other = generate(triton_server, "engine", request_id=f"abort-{rid}-m", abort_request_id=rid,
+                         tenant="mallory")
+        assert other.error is None and other.finish_reason == ""            # nothing of mallory's open
+        own = generate(triton_server, "engine", request_id=f"abort-{rid}-a", abort_request_id=rid,
+                       tenant="alice")
+        assert own.finish_reason == "abort"
+        s.collect(res, timeout=30)
+        assert res.finish_reason == "abort" and len(res.ids) < 150
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("model,inputs,params,param", [
+    ("engine", dict(input_ids=[1] * 100_000), dict(max_tokens=4), "input_ids"),
+    ("llm", dict(text="x" * 200_000), dict(max_tokens=4), "text_input"),
+    ("llm", dict(messages=[{"role": "user", "content": "y" * 200_000}]), {}, "messages"),
+    ("llm", dict(text="hi"), dict(max_tokens=str(2**63)), "max_tokens"),
+    ("llm", dict(text="hi"), dict(seed=str(-(2**63) - 1)), "seed"),
+    ("engine", dict(input_ids=[1, 2]), dict(request_priority=10**9), "request_priority"),
+    ("engine", dict(input_ids=[1, 2]), dict(tenant="t" * 300), "tenant"),
+])
+def test_oversized_and_out_of_range_inputs_are_tagged_quickly(triton_server, model, inputs, params, param):
+    t0 = time.monotonic()
+    res = generate(triton_server, model, **inputs, **params)
+    assert res.error is not None and f"[invalid_request param={param}]" in res.error, res.error
+    assert time.monotonic() - t0 < 10
