@@ -1,6 +1,6 @@
 """Weight-only quantization, side by side in one run: quality, speed and weight memory.
 
-    python -m load.bench_quant quality [--model models/default] [--methods none int8 int4]
+    python -m load.bench_quant quality [--model models/default] [--methods none int8 int4 int4@128]
     python -m load.bench_quant speed   [--model models/default] [--streams 1 16] [--tokens 64]
     python -m load.bench_quant kernels          # one GEMM: fp32 F.linear vs our C vs torch packed
 
@@ -37,12 +37,18 @@ def prompts(n: int = 20) -> list[str]:
     return [" ".join(ln.split()[:8]) for ln in lines[:n]]
 
 
-def _runner(model: str, method: str, dtype: str = "float32"):
+def parse_spec(spec: str) -> dict:
+    """``int4@128:bfloat16`` -> engine options (method, then @group size, then :dtype)."""
+    rest, _, dtype = spec.partition(":")
+    method, _, group = rest.partition("@")
+    return {"quantization": method, "dtype": dtype or "float32", "quant_group_size": int(group or 32)}
+
+
+def _runner(model: str, spec: str):
     from backend.config import EngineArgs
     from backend.model.runner import ModelRunner
 
-    return ModelRunner(model, EngineArgs(quantization=method, dtype=dtype,
-                                         num_kv_blocks=WINDOW // 16 + 2))
+    return ModelRunner(model, EngineArgs(**parse_spec(spec), num_kv_blocks=WINDOW // 16 + 2))
 
 
 @torch.inference_mode()
@@ -61,10 +67,10 @@ def perplexity(runner, ids: list[int]) -> float:
     return math.exp(nll / count)
 
 
-def greedy(model: str, method: str, texts: list[str], tokens: int, dtype: str = "float32") -> list[list[int]]:
+def greedy(model: str, spec: str, texts: list[str], tokens: int) -> list[list[int]]:
     from backend import LLM, SamplingParams
 
-    llm = LLM(model, quantization=method, dtype=dtype)
+    llm = LLM(model, **parse_spec(spec))
     outs = llm.generate(texts, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
     return [o.outputs[0].token_ids for o in outs]
 
@@ -88,7 +94,7 @@ def quality(a) -> list[dict]:
     ids = tok.encode(english_text())
     texts = prompts()
     rows, ref = [], None
-    for method in a.methods:
+    for method in a.methods:             # specs: none, int8, int4, int4@128, none:bfloat16 ...
         t0 = time.perf_counter()
         runner = _runner(a.model, method)
         load_s = time.perf_counter() - t0
@@ -113,13 +119,11 @@ def speed(a) -> list[dict]:
     rows = []
     texts = prompts(max(a.streams))
     for spec in a.methods:
-        method, _, dtype = spec.partition(":")          # e.g. none:bfloat16
-        dtype = dtype or "float32"
-        llm = LLM(a.model, quantization=method, dtype=dtype)
+        llm = LLM(a.model, **parse_spec(spec))
         wbytes = llm.engine.runner.model.quantization["weight_bytes"]
         params = SamplingParams(max_tokens=a.tokens, temperature=0.0, ignore_eos=True)
         llm.generate(texts[:1], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-        row = {"method": method, "dtype": dtype, "weight_bytes": wbytes}
+        row = {"method": spec, "weight_bytes": wbytes}
         for n in a.streams:
             t0 = time.perf_counter()
             llm.generate(texts[:n], params)

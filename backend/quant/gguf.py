@@ -67,7 +67,7 @@ def quantized_state(tensors, dtype: str, progress=None) -> tuple[dict, dict, dic
     projection type (a K-quant, Q5, a Q8_0 in a Q4 file) is dequantized alone and re-quantized
     (counted as ``requantized``). Everything else (embeddings, norms, LM head) is dequantized to
     ``dtype``, as the engine keeps it in the model dtype anyway."""
-    from backend.quant.layout import quantize
+    from backend.quant.layout import quantize_int4, quantize_int8
 
     method = choose_method(tensors)
     state, counts = {}, {"mapped": 0, "requantized": 0, "float": 0}
@@ -78,7 +78,8 @@ def quantized_state(tensors, dtype: str, progress=None) -> tuple[dict, dict, dic
                 qw = to_quant(t.qtype, t.raw, t.shape)
                 counts["mapped"] += 1
             else:
-                qw = quantize(torch.from_numpy(t.dequantize()), method, BLOCK)
+                w = torch.from_numpy(t.dequantize())        # one tensor, then dropped
+                qw = quantize_int8(w, BLOCK) if method == "int8" else quantize_int4(w, BLOCK)
                 counts["requantized"] += 1
             stem = t.name[: -len(".weight")]
             state[f"{stem}.qweight"], state[f"{stem}.scales"] = qw.qweight, qw.scales
