@@ -36,12 +36,21 @@ class EngineArgs:
     shutdown_drain_s: float = 30.0                # on unload, open requests may finish this long, then are cut
     drain_file: str | None = None                 # the launcher writes a drain deadline here (backend/serving/drain_watch.py)
     test_faults: bool = False                     # tests only, and only with TRITON_LLM_TEST_FAULTS=1
+    # Prefill/decode disaggregation (issue 21; backend/disagg, docs/disaggregation.md):
+    role: str = "unified"                         # unified | prefill | decode
+    kv_connector: str = "shm"                     # shm (one host) | tcp
+    kv_connector_host: str = "127.0.0.1"          # tcp: where the prefill side serves staged KV
+    kv_connector_port: int = 0                    # tcp: 0 = any free port
 
     def __post_init__(self) -> None:
         from backend.spec.config import SpeculativeConfig
         SpeculativeConfig.parse(self.speculative_config)     # a bad value fails where it is given
         if self.quantization not in ("none", "int8", "int4"):
             raise ValueError(f"quantization must be none, int8 or int4 (got {self.quantization!r})")
+        if self.role not in ("unified", "prefill", "decode"):
+            raise ValueError(f"role must be unified, prefill or decode (got {self.role!r})")
+        if self.kv_connector not in ("shm", "tcp"):
+            raise ValueError(f"kv_connector must be shm or tcp (got {self.kv_connector!r})")
 
     @classmethod
     def from_dict(cls, d: dict) -> "EngineArgs":

@@ -71,6 +71,9 @@ class LLMEngine:
         self.device = args.device
         self.stats_recorder = StatsRecorder()
         self._finals: list[StepDelta] = []      # finals of aborts/expiries, returned by step()
+        # Prefill role (backend/disagg/prefill.py): called after each update with the sampled
+        # choices and the step's deltas; hands first tokens over and drops their deltas.
+        self.handoff = None
 
     @property
     def vocab_size(self) -> int:
@@ -134,6 +137,8 @@ class LLMEngine:
             outcome = self.scheduler.update_from_output(out, tokens, logprobs)
             self.stats_recorder.record_step(outcome)
             deltas += make_deltas(outcome.sampled, self.stop_checker)
+            if self.handoff is not None:
+                deltas = self.handoff(outcome.sampled, deltas)
         if self.speculator is not None:
             self.speculator.release(self.scheduler.running)     # drafts' state of ended sequences
         return deltas

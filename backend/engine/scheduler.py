@@ -72,11 +72,16 @@ class Scheduler:
         self.num_preemptions = 0
 
     # -- requests --------------------------------------------------------------------------
-    def add_request(self, req: Request) -> None:
+    def add_request(self, req: Request, *, computed: bool = False) -> None:
+        """``computed``: choice 0's KV is already written up to its num_computed_tokens (a
+        prefill engine's hand-over, backend/disagg/decode.py), so it runs without waiting."""
         self.requests[req.request_id] = req
         if req.deadline is not None:
             self._deadlines[req.request_id] = req
-        self.add(req.seqs[0])
+        if computed:
+            self.add_running(req.seqs[0])
+        else:
+            self.add(req.seqs[0])
 
     def expired(self, now: float) -> list[Request]:
         return [r for r in self._deadlines.values() if r.deadline <= now]

@@ -1,0 +1,165 @@
+"""Decode role: take a hand-over into this engine's own KV pool and continue the stream.
+
+``DecodeRole(engine, connector)``; the router calls ``submit(record)`` and, before each engine
+step, ``admit_pending()``, which for each record in arrival order:
+
+  1. rebuilds the request (prompt + first token, its stop/stream state, a seeded choice's
+     generator) and validates it against *this* engine's limits;
+  2. attaches this pool's cached prefix blocks (the hash chain is the same on both sides), then
+     allocates blocks for the rest of the prompt: no room = the record waits for the next step
+     (its KV stays staged) rather than making the decode engine prefill;
+  3. fetches only the blocks it does not hold, writes them, commits them to its prefix cache
+     and marks the prompt computed, so the next step decodes the first token's successor;
+  4. returns the first token's delta (TTFT includes the hand-over).
+
+A record whose KV is unusable (transfer failed, nothing staged, pool shape differs) is admitted
+as an ordinary waiting request carrying its first token: this engine recomputes the prompt, so
+the output is the same, only later. Never a wrong answer: no KV is written unless the whole
+fetched range arrived with the expected shape.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from backend.disagg.connector import KVConnector, TransferError
+from backend.disagg.handover import Handover
+from backend.engine.admission import duplicate_id, validate_request
+from backend.engine.deltas import make_deltas
+from backend.engine.sequence import Request
+from backend.errors import EngineError, internal
+from backend.outputs import StepDelta
+
+
+@dataclass
+class DecodeStats:
+    admitted: int = 0               # with transferred KV
+    recomputed: int = 0             # fallback: the prompt was computed again here
+    rejected: int = 0               # failed this engine's validation
+    aborted_pending: int = 0
+    fetched_blocks: int = 0
+    prefix_hit_blocks: int = 0      # blocks not fetched because this pool had them
+    fetch_seconds: float = 0.0
+
+
+class DecodeRole:
+    def __init__(self, engine, connector: KVConnector):
+        self.engine = engine
+        self.connector = connector
+        self.pending: dict[str, Handover] = {}       # insertion order = arrival order
+        self.stats = DecodeStats()
+
+    def submit(self, record: Handover) -> None:
+        self.pending[record.request_id] = record
+
+    def abort(self, request_id: str) -> list[StepDelta] | None:
+        """Abort a hand-over not admitted yet (its staged KV is dropped); None if not pending."""
+        rec = self.pending.pop(request_id, None)
+        if rec is None:
+            return None
+        if rec.locator is not None:
+            self.connector.release(rec.locator)
+        self.stats.aborted_pending += 1
+        return [_final(rec, "abort", None)]
+
+    def admit_pending(self) -> list[StepDelta]:
+        deltas: list[StepDelta] = []
+        for rid in list(self.pending):
+            out = self._admit(self.pending[rid])
+            if out is None:
+                break                                 # no room: keep order, retry next step
+            del self.pending[rid]
+            deltas += out
+        return deltas
+
+    # -- one record ---------------------------------------------------------------------------
+    def _admit(self, rec: Handover) -> list[StepDelta] | None:
+        eng, sched, kv = self.engine, self.engine.scheduler, self.engine.kv
+        try:
+            params = rec.sampling_params()
+            max_tokens = validate_request(eng.limits, rec.request_id, rec.prompt_token_ids, params)
+            if rec.request_id in sched.requests:
+                raise duplicate_id(rec.request_id)
+        except (EngineError, ValueError, TypeError) as exc:
+            self._drop(rec)
+            self.stats.rejected += 1
+            err = exc if isinstance(exc, EngineError) else internal(f"bad hand-over: {exc}")
+            return [_final(rec, "error", err)]
+        if len(sched.running) + 1 > eng.args.max_num_seqs:
+            return None
+        now = time.monotonic()
+        req = Request(rec.request_id, list(rec.prompt_token_ids), params, max_tokens=min(max_tokens, rec.max_tokens),
+                      stream=rec.stream, salt=rec.salt, priority=rec.priority,
+                      deadline=None if rec.deadline_in is None else now + rec.deadline_in,
+                      arrival_time=now - rec.queue_time)
+        req.first_scheduled_time = req.first_token_time = now
+        req.num_cached_tokens = rec.num_cached_tokens
+        seq = req.seqs[0]
+        gen = rec.generator()
+        if gen is not None:
+            seq.generator = gen                     # seeded sampling continues where prefill left it
+        seq.token_ids.append(rec.first_token)
+        lp = rec.logprob()
+        if lp is not None:
+            seq.logprobs.append(lp)
+        eng.stop_checker.check(seq, rec.first_token)   # stream state (held stop-string text)
+        if seq.finish_reason is not None:            # cannot happen with the same params; be safe
+            self._drop(rec)
+            seq.status = seq.status.FINISHED
+            return make_deltas([seq], eng.stop_checker)
+
+        why = rec.check(vocab_size=eng.vocab_size, block_size=kv.block_size,
+                        block_shape=kv.storage.block_shape, dtype=kv.storage.dtype)
+        if why is None and rec.locator is not None:
+            placed = self._place(rec, seq)
+            if placed is None:
+                return None                         # no room yet; nothing changed
+            if placed:
+                sched.add_request(req, computed=True)
+                self.stats.admitted += 1
+                return make_deltas([seq], eng.stop_checker)
+        # Fallback: recompute the prompt here (the first token stays; the next one is sampled
+        # after the recomputed prompt + first token, exactly as a unified engine would).
+        self._drop(rec)
+        self.stats.recomputed += 1
+        sched.add_request(req)
+        return make_deltas([seq], eng.stop_checker)
+
+    def _place(self, rec: Handover, seq) -> bool | None:
+        """Allocate, fetch and write the prompt's KV. True = done; False = transfer failed
+        (nothing held); None = no room (nothing held, the KV stays staged)."""
+        kv = self.engine.kv
+        n = rec.num_kv_tokens
+        cached = kv.acquire_prefix(seq.seq_id, rec.prompt_token_ids, rec.salt)
+        if cached is None:
+            return None
+        if not kv.allocate_slots(seq.seq_id, n):
+            kv.free(seq.seq_id)
+            return None
+        first = cached // kv.block_size
+        t0 = time.perf_counter()
+        try:
+            data = self.connector.fetch(rec.locator, first, rec.num_blocks - first)
+        except TransferError:
+            kv.free(seq.seq_id)
+            return False
+        self.stats.fetch_seconds += time.perf_counter() - t0
+        table = kv.block_table(seq.seq_id)
+        kv.storage.write_blocks(table[first:rec.num_blocks], data)
+        kv.commit(seq.seq_id, seq.token_ids, n)       # the prompt's full blocks join this prefix cache
+        seq.num_computed_tokens = seq.high_water = n
+        self.stats.fetched_blocks += rec.num_blocks - first
+        self.stats.prefix_hit_blocks += first
+        return True
+
+    def _drop(self, rec: Handover) -> None:
+        if rec.locator is not None:
+            self.connector.release(rec.locator)
+
+
+def _final(rec: Handover, reason: str, error: EngineError | None) -> StepDelta:
+    """The final delta of a hand-over that never became a request here."""
+    return StepDelta(request_id=rec.request_id, index=0, new_token_ids=[], window_ids=[], num_sent=0,
+                     finished=True, finish_reason=reason, error=error,
+                     prompt_tokens=len(rec.prompt_token_ids), cached_tokens=rec.num_cached_tokens,
+                     queue_time=rec.queue_time)
