@@ -1,0 +1,109 @@
+"""KV connectors on their own: the same test for shared memory and TCP, with the staging side
+in another process; bounds, consumption, release, tokens, and the hand-over record's checks."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from backend.disagg.connector import TransferError
+from backend.disagg.handover import Handover
+from backend.disagg.shm import SharedMemoryConnector
+from backend.disagg.tcp import TcpConnector
+
+SHAPE = (5, 2, 2, 4, 2, 3)      # [blocks, layers, k/v, block_size, heads, dim]
+
+STAGER = r"""
+import json, sys, torch
+from backend.disagg.shm import SharedMemoryConnector
+from backend.disagg.tcp import TcpConnector
+kind = sys.argv[1]
+conn = SharedMemoryConnector() if kind == "shm" else TcpConnector(token="secret")
+blocks = torch.arange(%d, dtype=torch.float32).reshape(%r)
+print(json.dumps([conn.stage("a", blocks), conn.stage("b", blocks)]), flush=True)
+sys.stdin.readline()            # stay alive (and serving) until the test is done
+conn.close()
+""" % (torch.Size(SHAPE).numel(), SHAPE)
+
+
+def make(kind: str):
+    return SharedMemoryConnector() if kind == "shm" else TcpConnector(token="secret", timeout=5.0)
+
+
+@pytest.mark.parametrize("kind", ["shm", "tcp"])
+def test_fetch_from_another_process(kind):
+    proc = subprocess.Popen([sys.executable, "-c", STAGER, kind], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, cwd=str(__import__("pathlib").Path(__file__).parents[2]))
+    try:
+        loc_a, loc_b = json.loads(proc.stdout.readline())
+        conn = make(kind)
+        full = torch.arange(torch.Size(SHAPE).numel(), dtype=torch.float32).reshape(SHAPE)
+        got = conn.fetch(loc_a, 2, 3)                      # the first two blocks are "prefix hits"
+        assert torch.equal(got, full[2:5])
+        with pytest.raises(TransferError):
+            conn.fetch(loc_a, 0, 1)                        # a transfer is read once
+        with pytest.raises(TransferError):
+            conn.fetch(loc_b, 4, 2)                        # out of range (and released)
+        with pytest.raises(TransferError):
+            conn.fetch(loc_b, 0, 1)
+        st = conn.stats()
+        assert st.fetched == 1 and st.fetched_bytes == full[2:5].numel() * 4 and st.skipped_blocks == 2
+    finally:
+        proc.stdin.write("\n")
+        proc.stdin.close()
+        proc.wait(timeout=20)
+    assert proc.returncode == 0
+
+
+@pytest.mark.parametrize("kind", ["shm", "tcp"])
+def test_release_drops_staged_and_is_idempotent(kind):
+    conn = make(kind)
+    try:
+        loc = conn.stage("x", torch.ones(SHAPE))
+        conn.release(loc)
+        conn.release(loc)
+        with pytest.raises(TransferError):
+            conn.fetch(loc, 0, 1)
+        assert conn.stats().released == 1
+    finally:
+        conn.close()
+
+
+def test_tcp_wrong_token_is_refused_and_keeps_the_transfer():
+    server = TcpConnector(token="right")
+    try:
+        loc = server.stage("x", torch.ones(SHAPE))
+        with pytest.raises(TransferError, match="bad token"):
+            TcpConnector(token="wrong").fetch(loc, 0, 1)
+        assert torch.equal(TcpConnector(token="right").fetch(loc, 0, 5), torch.ones(SHAPE))
+    finally:
+        server.close()
+
+
+def test_tcp_staging_is_bounded():
+    server = TcpConnector(max_staged_bytes=torch.Size(SHAPE).numel() * 4)
+    try:
+        server.stage("a", torch.ones(SHAPE))
+        with pytest.raises(TransferError, match="max_staged_bytes"):
+            server.stage("b", torch.ones(SHAPE))
+    finally:
+        server.close()
+
+
+def test_handover_record_round_trip_and_checks():
+    rec = Handover(request_id="r", prompt_token_ids=[5, 6, 7], first_token=9, params={"temperature": 0.0},
+                   max_tokens=4, num_kv_tokens=3, block_size=16, block_shape=[2, 2, 16, 4, 8],
+                   dtype="float32", locator=None, first_logprob=[9, -0.5, [[9, -0.5], [3, -1.2]]])
+    back = Handover.from_json(rec.to_json())
+    assert back == rec and back.sampling_params().temperature == 0.0
+    assert back.logprob().top == [(9, -0.5), (3, -1.2)]
+    ok = dict(vocab_size=100, block_size=16, block_shape=(2, 2, 16, 4, 8), dtype=torch.float32)
+    assert back.check(**ok) is None
+    assert "dtype" in back.check(**{**ok, "dtype": torch.bfloat16})
+    assert "block shape" in back.check(**{**ok, "block_shape": (2, 2, 16, 4, 4)})
+    assert "vocabulary" in back.check(**{**ok, "vocab_size": 5})
+    with pytest.raises(ValueError, match="unknown fields"):
+        Handover.from_json(json.dumps({**json.loads(rec.to_json()), "evil": 1}))
