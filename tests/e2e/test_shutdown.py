@@ -26,7 +26,7 @@ pytestmark = pytest.mark.e2e
 
 
 class Serve:
-    def __init__(self, workdir, *, shim: bool, env: dict | None = None) -> None:
+    def __init__(self, workdir, *, shim: bool, env: dict | None = None, options: list[str] = ()) -> None:
         self.http, self.grpc, self.metrics = free_port(), free_port(), free_port()
         self.shim = free_port() if shim else 0
         self.workdir = workdir
@@ -35,6 +35,8 @@ class Serve:
                "--http-port", str(self.http), "--grpc-port", str(self.grpc), "--metrics-port", str(self.metrics),
                "--shim-port", str(self.shim), "--workdir", str(workdir),
                "--engine-option", "num_kv_blocks=256", "--engine-option", "num_threads=1"]
+        for o in options:
+            cmd += ["--engine-option", o]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, **(env or {})})
         self.lines: list[str] = []
@@ -121,6 +123,46 @@ def test_streams_open_at_the_drain_deadline_are_cut_then_all_stops(tmp_path):
         for _, res in streams:
             assert res.error is None and res.finals == 1, res      # cut cleanly: a last response
             assert res.finish_reason == "abort" and 0 < len(res.ids) < 1000
+    finally:
+        serve.kill()
+    assert serve.leftovers() == []
+
+
+def test_engine_death_turns_readiness_false_and_ends_open_streams(tmp_path):
+    serve = Serve(tmp_path / "serve", shim=True, env={"TRITON_LLM_TEST_FAULTS": "1"},
+                  options=["test_faults=true"])
+    try:
+        base = f"http://127.0.0.1:{serve.shim}"
+        assert httpx.get(f"{base}/ready").status_code == 200
+        s = Stream(serve)
+        res = Result(uuid.uuid4().hex)
+        s.send("llm", make_inputs(text="long"), res.request_id, dict(max_tokens=900, ignore_eos=True))
+        s.collect(res, until_responses=2, timeout=60)
+        t0 = time.monotonic()
+        crash = Stream(serve)
+        crash.send("engine", make_inputs(input_ids=[1, 2]), "crash", dict(test_fault="crash_engine", max_tokens=2))
+        s.collect(res, timeout=30)                  # the open stream ends with an error, not a hang
+        s.close()
+        assert res.error is not None and res.finish_reason != "length"
+        engine_ready = shim_ready = None
+        while time.monotonic() - t0 < 30 and (engine_ready is None or shim_ready is None):
+            try:
+                if engine_ready is None and httpx.get(f"http://127.0.0.1:{serve.http}/v2/models/engine/ready",
+                                                      timeout=2).status_code != 200:
+                    engine_ready = time.monotonic() - t0
+            except httpx.HTTPError:                 # Triton already stopped: not ready either
+                engine_ready = time.monotonic() - t0
+            try:
+                if shim_ready is None and httpx.get(f"{base}/ready", timeout=2).status_code != 200:
+                    shim_ready = time.monotonic() - t0
+            except httpx.HTTPError:
+                shim_ready = time.monotonic() - t0
+            time.sleep(0.05)
+        crash.close()
+        print(f"\nengine death -> engine not ready {engine_ready:.2f}s, shim /ready false {shim_ready:.2f}s")
+        assert engine_ready is not None and engine_ready < 5.0
+        assert shim_ready is not None and shim_ready < 5.0
+        assert serve.proc.wait(timeout=60) == 1     # serve exits for its supervisor to restart it
     finally:
         serve.kill()
     assert serve.leftovers() == []
