@@ -120,17 +120,36 @@ class OffloadChain:
 
 
 def _file_backed(path: str, capacity: int, block_shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A scratch tensor mapped from a file: created, mapped, then unlinked, so nothing is left on
-    disk after exit and no stale content from an earlier run can be read. ``path`` may be a directory."""
-    if os.path.isdir(path):
-        fd, path = tempfile.mkstemp(prefix="kv_offload_", suffix=".bin", dir=path)
-        os.close(fd)
+    """A scratch tensor mapped from a file of our own: created (in ``path`` if it is a directory,
+    else as ``path``, which must not exist yet), fully allocated, mapped, then unlinked, so
+    nothing is left on disk after exit and no stale content can be read.
+
+    * The space is reserved up front (``posix_fallocate``): a full disk is a clear error here,
+      never a SIGBUS later when a page of a sparse mapping cannot be backed.
+    * An existing file the operator named is never truncated, overwritten or unlinked.
+    """
     numel = capacity
     for d in block_shape:
         numel *= d
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
     try:
+        if os.path.isdir(path):
+            fd, path = tempfile.mkstemp(prefix="kv_offload_", suffix=".bin", dir=path)
+        elif os.path.lexists(path):
+            raise ValueError(f"disk_tier_path {path!r} is an existing file: give a directory (the disk "
+                             "tier never overwrites or deletes a file it did not create)")
+        else:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as exc:
+        raise ValueError(f"disk_tier_path {path!r} is not usable for the KV disk tier: {exc}") from None
+    try:
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError as exc:
+            raise ValueError(f"the KV disk tier needs {nbytes / 2**20:.0f} MiB at {path!r}: {exc} "
+                             "(lower disk_tier_blocks or choose another disk_tier_path)") from None
         flat = torch.from_file(path, shared=True, size=numel, dtype=dtype)
     finally:
-        if os.path.exists(path):
-            os.unlink(path)
+        os.close(fd)
+        os.unlink(path)                     # ours: created above
     return flat.view(capacity, *block_shape)

@@ -173,3 +173,43 @@ def test_cuda_storage_offloads_through_pinned_host_memory():
     m.free("b")
     assert m.acquire_prefix("a2", a + [0]) == 12
     assert torch.equal(read_kv(st, slots(m, "a2", 0, 12)), kv_a[:, :, :12])
+
+
+# -- disk tier faults (issue 19) ------------------------------------------------------------------
+def _disk_chain(path, blocks=4):
+    import torch
+
+    from backend.kv_cache.offload import OffloadChain
+    return OffloadChain(block_shape=(2, 16, 2, 8), dtype=torch.float32, pin_memory=False, host_blocks=0,
+                        disk_path=str(path), disk_blocks=blocks)
+
+
+def test_disk_tier_never_touches_a_file_the_operator_named(tmp_path):
+    precious = tmp_path / "precious.bin"
+    precious.write_bytes(b"keep me")
+    with pytest.raises(ValueError, match="existing file: give a directory"):
+        _disk_chain(precious)
+    assert precious.read_bytes() == b"keep me"
+
+
+def test_disk_tier_in_a_directory_leaves_nothing_behind(tmp_path):
+    chain = _disk_chain(tmp_path)
+    assert chain.tiers[0].data.shape == (4, 2, 16, 2, 8)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_unusable_disk_tier_path_is_a_clear_startup_error(tmp_path):
+    with pytest.raises(ValueError, match="not usable for the KV disk tier"):
+        _disk_chain(tmp_path / "no" / "such" / "dir" / "kv.bin")
+
+
+def test_full_disk_is_a_clear_startup_error_not_a_sigbus(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    def no_space(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(os, "posix_fallocate", no_space)     # what a full filesystem answers
+    with pytest.raises(ValueError, match="No space left on device"):
+        _disk_chain(tmp_path)
+    assert list(tmp_path.iterdir()) == []                     # our scratch file is gone again
