@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shutil
 import signal
+import tempfile
 import time
 import urllib.request
 
@@ -64,6 +66,7 @@ def scaled():
     from backend.scale.app import ScaleConfig, build_app
 
     port = free_port()
+    started = time.time() - 1
     root = str(pathlib.Path(__file__).resolve().parents[2])
     ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR",
              runtime_env={"env_vars": {"PYTHONPATH": root}})
@@ -88,6 +91,11 @@ def scaled():
             serve.shutdown()                     # replicas' __del__ stop their tritonservers
         finally:
             ray.shutdown()
+            # Ray does not always run a replica's __del__ (killed, replaced): its server dies with
+            # it, its workdir stays; remove this run's.
+            for d in pathlib.Path(tempfile.gettempdir()).glob("tllm-replica-*"):
+                if d.stat().st_mtime >= started:
+                    shutil.rmtree(d, ignore_errors=True)
 
 
 def _post(base: str, body: dict, timeout: float = 120) -> dict:
