@@ -95,6 +95,10 @@ def build_engine_service(model_dir: str, params: dict[str, str], *, metrics_fact
 
     known = {f.name for f in fields(EngineArgs)}
     args = EngineArgs.from_dict({k: v for k, v in params.items() if k in known})
+    if args.role != "unified":
+        # Prefill/decode roles run in-process today (backend/disagg, docs/disaggregation.md); a
+        # Triton engine in such a role would need a peer it cannot have, so refuse at load.
+        raise ValueError(f"role={args.role!r} is not served through Triton yet; use role=unified")
     from backend.engine.fairness import TenantFairness
 
     engine = LLMEngine(model_dir, args)

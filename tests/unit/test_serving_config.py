@@ -124,3 +124,13 @@ def test_pbtxt_editing():
     with pytest.raises(KeyError):
         set_parameter(text, "b", "1")
     assert "count: 5" in set_instance_count(text, 5)
+
+
+def test_engine_model_refuses_a_disaggregated_role():
+    """Prefill/decode roles run in-process only (backend/disagg); through Triton they would silently
+    act as unified, so the engine model refuses to load with one."""
+    from backend.serving.engine_service import build_engine_service
+    from tests.conftest import model_dir
+
+    with pytest.raises(ValueError, match="role='prefill' is not served through Triton"):
+        build_engine_service(str(model_dir("tiny")), {"role": "prefill", "num_kv_blocks": "8"})
