@@ -126,22 +126,25 @@ class LLMEngine:
         out = self.scheduler.schedule()
         self.stats_recorder.record_schedule(out)
         if out.scheduled:
-            t0 = time.perf_counter()
-            logits = self.runner.execute(build_batch(out.scheduled, self.kv, self.device))
-            if self.speculator is not None and out.num_batched_tokens == len(out.sampling) + out.num_drafts:
-                self.speculator.observe(out.num_drafts > 0, time.perf_counter() - t0)
-            if out.num_drafts:
-                tokens, logprobs = verify(self.sampler, logits, out.sampling, out.logit_rows)
-            else:
-                tokens, logprobs = self.sampler(logits, out.sampling, rows=out.logit_rows)
+            tokens, logprobs = self._run(out)
             outcome = self.scheduler.update_from_output(out, tokens, logprobs)
             self.stats_recorder.record_step(outcome)
             deltas += make_deltas(outcome.sampled, self.stop_checker)
-            if self.handoff is not None:
+            if self.handoff is not None:                         # prefill role (backend/disagg)
                 deltas = self.handoff(outcome.sampled, deltas)
         if self.speculator is not None:
             self.speculator.release(self.scheduler.running)     # drafts' state of ended sequences
         return deltas
+
+    def _run(self, out) -> tuple:
+        """Forward pass + sampling; with drafts scheduled, exact verification instead."""
+        t0 = time.perf_counter()
+        logits = self.runner.execute(build_batch(out.scheduled, self.kv, self.device))
+        if self.speculator is not None and out.num_batched_tokens == len(out.sampling) + out.num_drafts:
+            self.speculator.observe(out.num_drafts > 0, time.perf_counter() - t0)   # decode-only step cost
+        if out.num_drafts:
+            return verify(self.sampler, logits, out.sampling, out.logit_rows)
+        return self.sampler(logits, out.sampling, rows=out.logit_rows)
 
     # -- ending requests early -------------------------------------------------------------
     def _finish_request(self, req: Request, reason: str, error: EngineError | None) -> None:
