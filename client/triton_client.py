@@ -252,13 +252,14 @@ class TritonLLMClient:
         finally:
             closed.set()                        # half-close: Triton ends the RPC once FINAL is out
             if call is not None:
-                if len(finished) < n:
-                    call.cancel()
-                else:
-                    # Never cancel a finished stream: Triton 2.51's gRPC front end can leak a
-                    # completed request whose RPC is cancelled as its last write completes (the
-                    # `llm` ensemble then never unloads; issue 19). Wait for the server's end.
-                    self._track(self._end_call(call), self._ending)
+                # Never cancel the RPC while Triton may still be writing: Triton 2.51's gRPC front
+                # end leaks the state (and request) of a stream cancelled mid-way or as its last
+                # write completes -- ~120 KB of tritonserver RSS per cancelled request, and a
+                # finished `llm` request that never unloads (issue 19, docs/serving.md). The
+                # request is half-closed; an unfinished one is stopped by the explicit abort
+                # below, which ends its stream; the RPC is drained in the background and only
+                # cancelled if it does not end within ABORT_TIMEOUT.
+                self._track(self._end_call(call), self._ending)
             if len(finished) < n and admitted:
                 self._spawn_abort(rid)
 

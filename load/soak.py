@@ -65,9 +65,10 @@ def slope(points: list[tuple[float, float]]) -> float:
     return 60.0 * sum((t - mt) * (v - mv) for t, v in points) / den
 
 
-async def worker(client, tenant: str, stop_at: float, tally: dict, rng: random.Random) -> None:
+async def worker(client, tenant: str, stop_at: float, tally: dict, rng: random.Random,
+                 mix: dict[str, float]) -> None:
     while time.monotonic() < stop_at:
-        kind = rng.choices(["ok", "cancel", "bad"], weights=[60, 30, 10])[0]
+        kind = rng.choices(list(mix), weights=list(mix.values()))[0]
         params = {"max_tokens": 0 if kind == "bad" else rng.randint(16, 64), "temperature": 0.7,
                   "tenant": tenant, "ignore_eos": True}
         cut = rng.randint(2, 8)
@@ -92,7 +93,7 @@ async def worker(client, tenant: str, stop_at: float, tally: dict, rng: random.R
             tally["failed"].append(f"{kind}: {type(exc).__name__}: {exc}"[:200])
 
 
-async def traffic(url: str, duration: float, streams: int, seed: int) -> dict:
+async def traffic(url: str, duration: float, streams: int, seed: int, mix: dict[str, float]) -> dict:
     tally = {t: {"tokens": 0, "busy_s": 0.0, "streams": 0} for t in ("flood", "calm")}
     tally.update(done={"ok": 0, "cancel": 0, "bad": 0}, failed=[])
     stop_at = time.monotonic() + duration
@@ -101,7 +102,7 @@ async def traffic(url: str, duration: float, streams: int, seed: int) -> dict:
         for i in range(streams):
             tenant = "calm" if i % 4 == 0 else "flood"
             tally[tenant]["streams"] += 1
-            tasks.append(worker(client, tenant, stop_at, tally, random.Random(seed + i)))
+            tasks.append(worker(client, tenant, stop_at, tally, random.Random(seed + i), mix))
         await asyncio.gather(*tasks)
         await client.wait_aborts()
     return tally
@@ -113,7 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--model", default=None, help="checkpoint (default: the tiny test model)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mix", default="ok=60,cancel=30,bad=10", help="request kinds and weights")
     args = ap.parse_args(argv)
+    mix = {k: float(v) for k, v in (item.split("=") for item in args.mix.split(","))}
 
     from backend.serving.launcher import TritonServer
     from tests.conftest import model_dir
@@ -134,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                         samples.setdefault(pid, []).append((time.monotonic() - t_start, v))
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
-        tally = asyncio.run(traffic(server.grpc_url, args.duration, args.streams, args.seed))
+        tally = asyncio.run(traffic(server.grpc_url, args.duration, args.streams, args.seed, mix))
         deadline = time.monotonic() + 30
         while True:
             m = parse_prometheus(scrape_text(server.metrics_url))
