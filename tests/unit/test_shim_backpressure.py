@@ -1,6 +1,6 @@
 """SSE backpressure: stalled readers are cut off after the write timeout and their generations
 aborted; a reader that keeps reading gets everything. (The real-stack version, with RSS and KV
-usage, is tests/e2e/test_shim_backpressure.py.)"""
+usage, is tests/e2e/test_shim_stalled_readers.py.)"""
 from __future__ import annotations
 
 import json
