@@ -1,0 +1,121 @@
+"""Issue 17's first "Must show": through the full stack (tritonserver, the ``llm`` ensemble, gRPC),
+greedy outputs with n-gram speculation on equal the offline engine's with it off, byte for byte.
+
+32 mixed prompts go in at once: some repeat themselves (prompt lookup finds drafts that get
+accepted), some do not (drafts get rejected and their KV slots rolled back), some carry a stop
+string that lands mid-output, some ask for n = 2. The KV pool is small enough that the scheduler
+preempts. The oracle is ``backend.LLM`` on the same checkpoint, fp32, speculation off, with a
+roomy pool: any token speculation, preemption or serving changes shows up as a diff.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import pytest
+
+from backend import LLM, SamplingParams
+from tests.conftest import model_dir
+from tests.e2e.helpers import Result, Stream, make_inputs, metric, scrape, wait_metric
+
+pytestmark = pytest.mark.e2e
+
+MAX_TOKENS = 24
+# Back-off off on purpose: the default disable_by_batch_size (8) would turn speculation off while
+# 32 requests run, and min_accepted_tokens=0 keeps the non-repeating prompts speculating (and
+# rejecting), so verification runs for every request, not only the lucky ones.
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+         "disable_by_batch_size": 64, "min_accepted_tokens": 0}
+# 32 blocks of 16 tokens for ~40 sequences of ~50 tokens each: the pool runs out mid-decode.
+ENGINE_OPTIONS = {"num_kv_blocks": "32", "block_size": "16", "max_num_seqs": "64",
+                  "max_num_batched_tokens": "256", "num_threads": "1",
+                  "speculative_config": json.dumps(NGRAM)}
+
+REPEATING = ["red green blue " * 8, "1 2 3 4 5 6 7 " * 5, "the cat sat on the mat. " * 5,
+             "abc abd abe abf " * 6, "ping pong " * 10, "Lorem ipsum dolor sit amet, " * 4,
+             "x = x + 1\n" * 8, "你好 世界 " * 6]
+FREE = ["Hello, world! Tell me a story.", "Emoji 😀🎉🚀 and naïve café", "  leading spaces  and   gaps ",
+        "What is the capital of France?", "Write a haiku about Triton.", "def add(a, b):",
+        "Once upon a time", "Translate to German: good morning"]
+PROMPTS = [(REPEATING if i % 2 else FREE)[i // 4 % 8] + ("" if i < 16 else f" #{i}") for i in range(32)]
+N2 = {i for i in range(32) if i % 4 == 1}            # n = 2 (greedy: both choices equal the one)
+STOPS = {i for i in range(32) if i % 4 == 2}          # a stop string taken from the middle of the output
+
+
+def _params(i: int, stop: str | None) -> dict:
+    p = dict(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    if i in N2:
+        p["n"] = 2
+    if stop is not None:
+        p["stop"] = json.dumps([stop])
+    return p
+
+
+def _sampling(p: dict) -> SamplingParams:
+    return SamplingParams(**{k: (json.loads(v) if k == "stop" else v) for k, v in p.items()})
+
+
+def _stop_from(text: str) -> str:
+    """Three whole characters (no U+FFFD of a split one), nearest the middle from the right."""
+    mid = len(text) // 2
+    for at in [*range(mid, len(text) - 2), *range(mid - 1, -1, -1)]:
+        if "\ufffd" not in text[at:at + 3]:
+            return text[at:at + 3]
+    raise AssertionError(f"no stop string in {text!r}")
+
+
+@pytest.fixture(scope="module")
+def expected():
+    """(params per prompt, offline answers) from the plain engine: stop strings are picked from its
+    own full outputs, so they are sure to land inside the generated text."""
+    oracle = LLM(str(model_dir("tiny")), num_kv_blocks=256)
+    full = oracle.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+    params = []
+    for i, out in enumerate(full):
+        params.append(_params(i, _stop_from(out.outputs[0].text) if i in STOPS else None))
+    answers = [oracle.generate([PROMPTS[i]], _sampling(p))[0] for i, p in enumerate(params)]
+    assert sum(a.outputs[0].finish_reason == "stop" for a in answers) >= len(STOPS) // 2
+    return params, answers
+
+
+@pytest.fixture(scope="module")
+def spec_server():
+    from backend.serving.launcher import TritonServer
+
+    with TritonServer(model_dir("tiny"), engine_options=ENGINE_OPTIONS, quiet=True) as server:
+        yield server
+
+
+def test_greedy_with_ngram_speculation_equals_plain_offline(spec_server, expected):
+    params, answers = expected
+    before = scrape(spec_server)
+    streams, results = [], []
+    for prompt, p in zip(PROMPTS, params):          # all 32 in flight at once: the pool preempts
+        s, res = Stream(spec_server), Result(uuid.uuid4().hex)
+        s.send("llm", make_inputs(text=prompt), res.request_id, p)
+        streams.append(s)
+        results.append(res)
+    t0 = time.monotonic()
+    try:
+        for s, res in zip(streams, results):
+            s.collect(res, timeout=max(5.0, 120 - (time.monotonic() - t0)))
+    finally:
+        for s in streams:
+            s.close()
+    for i, (res, want) in enumerate(zip(results, answers)):
+        assert res.error is None and res.finals == 1, (i, res)
+        assert sorted(res.choices) == list(range(len(want.outputs))), i
+        for k, w in enumerate(want.outputs):
+            got = res.choices[k]
+            assert (got.text.encode(), got.ids, got.finish_reason) == (w.text.encode(), w.token_ids,
+                                                                       w.finish_reason), (i, k, PROMPTS[i])
+            assert got.final["completion_tokens"] == len(w.token_ids)
+    # the gauges and counters are polled (every 0.1 s): wait for the idle, empty pool
+    after, _ = wait_metric(spec_server, lambda m: metric(m, "llm_num_requests_running") == 0
+                           and metric(m, "llm_kv_cache_usage_ratio") == 0.0, timeout=5.0)
+    delta = {name: metric(after, name) - metric(before, name) for name in (
+        "llm_num_preemptions_total", "llm_spec_decode_num_draft_tokens_total",
+        "llm_spec_decode_num_accepted_tokens_total")}
+    assert delta["llm_num_preemptions_total"] > 0, delta
+    assert 0 < delta["llm_spec_decode_num_accepted_tokens_total"] < delta["llm_spec_decode_num_draft_tokens_total"], delta
