@@ -117,6 +117,7 @@ STOP = "stop"                       # JSON list of strings (or one string)
 STOP_TOKEN_IDS = "stop_token_ids"   # JSON list of ints
 IGNORE_EOS = "ignore_eos"
 SKIP_SPECIAL_TOKENS = "skip_special_tokens"
+SPECULATIVE = "speculative"         # false: this request never speculates (with speculative_config set)
 LOGPROBS_PARAM = "logprobs"         # bool (chat) or int (completions); same name as the tensor
 TOP_LOGPROBS = "top_logprobs"
 TENANT = "tenant"                   # salts the prefix cache: tenants never share cached blocks
@@ -147,12 +148,12 @@ CONTEXT_WINDOW = "context_window"   # preprocessing: the engine's context_window
 INT_PARAMS = (N, MAX_TOKENS, MIN_TOKENS, TOP_K, SEED, TOP_LOGPROBS, REQUEST_PRIORITY)
 FLOAT_PARAMS = (TEMPERATURE, TOP_P, MIN_P, PRESENCE_PENALTY, FREQUENCY_PENALTY, REPETITION_PENALTY,
                 REQUEST_TIMEOUT)
-BOOL_PARAMS = (STREAM, IGNORE_EOS, SKIP_SPECIAL_TOKENS)
+BOOL_PARAMS = (STREAM, IGNORE_EOS, SKIP_SPECIAL_TOKENS, SPECULATIVE)
 LIST_PARAMS = (STOP, STOP_TOKEN_IDS)
 # SamplingParams fields set from request parameters of the same name (logprobs is derived).
 SAMPLING_PARAMS = (N, MAX_TOKENS, MIN_TOKENS, TEMPERATURE, TOP_P, TOP_K, MIN_P, SEED, PRESENCE_PENALTY,
                    FREQUENCY_PENALTY, REPETITION_PENALTY, STOP, STOP_TOKEN_IDS, IGNORE_EOS,
-                   SKIP_SPECIAL_TOKENS)
+                   SKIP_SPECIAL_TOKENS, SPECULATIVE)
 # Names a client may use that Triton's gRPC front end would consume: sent under the right name.
 RENAMED_PARAMS = {"priority": REQUEST_PRIORITY, "timeout": REQUEST_TIMEOUT}
 # Reserved by Triton's gRPC front end (tritonclient refuses them or they never reach a model).

@@ -17,7 +17,7 @@ import pytest
 
 from backend import LLM, SamplingParams
 from tests.conftest import model_dir
-from tests.e2e.helpers import Result, Stream, make_inputs, metric, scrape, wait_metric
+from tests.e2e.helpers import Result, Stream, generate, make_inputs, metric, scrape, wait_metric
 
 pytestmark = pytest.mark.e2e
 
@@ -119,3 +119,19 @@ def test_greedy_with_ngram_speculation_equals_plain_offline(spec_server, expecte
         "llm_spec_decode_num_accepted_tokens_total")}
     assert delta["llm_num_preemptions_total"] > 0, delta
     assert 0 < delta["llm_spec_decode_num_accepted_tokens_total"] < delta["llm_spec_decode_num_draft_tokens_total"], delta
+
+
+def test_the_speculative_parameter_opts_one_request_out(spec_server, expected):
+    """``speculative=false`` as a request parameter: the request drafts nothing, same answer."""
+    params, answers = expected
+    i = 3                                               # a repeating prompt: it drafts when allowed
+    drafted = []
+    for opt in ({"speculative": False}, {}):
+        before = scrape(spec_server)
+        res = generate(spec_server, "llm", text=PROMPTS[i], **params[i], **opt)
+        assert res.error is None and res.ids == answers[i].outputs[0].token_ids
+        wait_metric(spec_server, lambda m: metric(m, "llm_num_requests_running") == 0, timeout=5.0)
+        time.sleep(0.3)                                 # one more counter poll (every 0.1 s)
+        drafted.append(metric(scrape(spec_server), "llm_spec_decode_num_draft_tokens_total")
+                       - metric(before, "llm_spec_decode_num_draft_tokens_total"))
+    assert drafted[0] == 0 and drafted[1] > 0, drafted
