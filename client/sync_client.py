@@ -41,8 +41,8 @@ class SyncTritonLLMClient:
     def context_window(self) -> int:
         return self._call(self.client.context_window())
 
-    def abort(self, request_id: str) -> bool:
-        return self._call(self.client.abort(request_id))
+    def abort(self, request_id: str, tenant: str | None = None) -> bool:
+        return self._call(self.client.abort(request_id, tenant=tenant))
 
     def generate(self, prompt: str | None = None, messages: list[dict] | None = None,
                  **kwargs) -> Iterator[Chunk]:

@@ -261,7 +261,7 @@ class TritonLLMClient:
                 # cancelled if it does not end within ABORT_TIMEOUT.
                 self._track(self._end_call(call), self._ending)
             if len(finished) < n and admitted:
-                self._spawn_abort(rid)
+                self._spawn_abort(rid, parameters.get(P.TENANT))
 
     @staticmethod
     async def _end_call(call, timeout: float = ABORT_TIMEOUT) -> None:
@@ -284,20 +284,28 @@ class TritonLLMClient:
         tasks.add(task)
         task.add_done_callback(tasks.discard)
 
-    def _spawn_abort(self, request_id: str) -> None:
+    def _spawn_abort(self, request_id: str, tenant: str | None = None) -> None:
         """Fire-and-forget explicit abort (safe inside a cancelled task: it does not await)."""
         try:
-            task = asyncio.get_running_loop().create_task(self.abort(request_id))
+            task = asyncio.get_running_loop().create_task(self.abort(request_id, tenant=tenant))
         except RuntimeError:                    # no loop (interpreter shutdown)
             return
         self._aborts.add(task)
         task.add_done_callback(self._aborts.discard)
 
-    async def abort(self, request_id: str, timeout: float = ABORT_TIMEOUT) -> bool:
-        """Tell the engine to stop ``request_id`` and free its KV blocks; True once acknowledged."""
+    async def abort(self, request_id: str, timeout: float = ABORT_TIMEOUT, *,
+                    tenant: str | None = None) -> bool:
+        """Tell the engine to stop ``request_id`` and free its KV blocks; True once acknowledged.
+
+        The engine only aborts a request of the caller's own tenant, so ``tenant`` must be the one
+        the request was sent with (``_stream`` passes it)."""
+        parameters = {P.ABORT_REQUEST_ID: request_id}
+        if tenant is not None:
+            parameters[P.TENANT] = tenant
+
         async def requests():
             yield {"model_name": self.engine, "inputs": [], "request_id": f"abort-{request_id}",
-                   "parameters": {P.ABORT_REQUEST_ID: request_id}}
+                   "parameters": parameters}
             # returning half-closes the stream; Triton ends it once the control request is FINAL
 
         call = None

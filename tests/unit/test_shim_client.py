@@ -164,6 +164,22 @@ def test_early_exit_cancels_stream_and_sends_explicit_abort():
     assert abort_req["model_name"] == "engine" and abort_req["inputs"] == []
 
 
+def test_explicit_abort_carries_the_streams_tenant():
+    """The engine aborts only a request of the caller's own tenant, so the abort must say which."""
+    async def go():
+        client = make_client([(result(0, "a"), None), (result(0, "b"), None)])
+        agen = client.generate(prompt="p", request_id="r-t", params={"tenant": "acme"})
+        async for _ in agen:
+            break
+        await agen.aclose()
+        await client.wait_aborts()
+        return client
+
+    client = run(go())
+    assert aborts(client) == ["r-t"]
+    assert client._grpc.calls[1].first["parameters"] == {"abort_request_id": "r-t", "tenant": "acme"}
+
+
 def test_cancelled_consumer_task_aborts():
     async def go():
         client = make_client([(result(0, "a"), None)])       # then hangs mid-generation
