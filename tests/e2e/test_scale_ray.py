@@ -3,7 +3,7 @@
 Shows (a) a multi-turn conversation returns to the replica holding its KV (cached_tokens > 0 on
 follow-ups, prefix hits in that replica's own Triton metrics, the router counts "prefix"
 decisions), (c) streaming across the hop and a client hanging up mid-stream (the abort reaching
-the engine under Ray is an xfail: see that test), and (b) killing one replica's tritonserver: new requests still succeed and Ray
+the engine, through the tenant-scoped explicit abort), and (b) killing one replica's tritonserver: new requests still succeed and Ray
 replaces the replica. Sized for 2 cores: fractional CPUs, 2 replicas, short generations.
 """
 from __future__ import annotations
@@ -167,11 +167,6 @@ def test_streaming_across_the_hop_and_hanging_up(scaled):
     assert full["choices"][0]["finish_reason"] == "length"
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "Ray cancels the replica's generate (its log: CALL generate CANCELLED) and the replica's gRPC "
-    "client sends the engine's explicit abort, which the engine acknowledges, but under Ray the "
-    "engine keeps running the request; the same TritonReplica code outside Ray aborts it "
-    "(llm_requests_aborted_total +1). Unresolved: docs/scale_out.md, what is left."))
 def test_hanging_up_aborts_the_request_in_the_replicas_engine(scaled):
     before = {rid: _metric(s["metrics_port"], "llm_requests_aborted_total")
               for rid, s in _replica_servers().items()}
