@@ -25,37 +25,9 @@ from __future__ import annotations
 
 import heapq
 import time
-from dataclasses import dataclass, field
-
+from backend.engine.schedule_output import SchedulerOutput, StepOutcome, plan_sampling
 from backend.engine.sequence import Request, SeqStatus, Sequence
 from backend.errors import EngineError
-
-
-@dataclass
-class SchedulerOutput:
-    """What runs this step: each sequence with its chunk [num_computed_tokens, + num_new)."""
-    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    new_requests: list[Request] = field(default_factory=list)   # scheduled for the first time
-    num_batched_tokens: int = 0
-    # The sequences that sample this step (new forked choices right after their choice 0) and
-    # the logits row each samples from; None = row i for sequence i (no fork this step).
-    sampling: list[Sequence] = field(default_factory=list)
-    logit_rows: list[int] | None = None
-    forks: list[Sequence] = field(default_factory=list)         # new choices, registered in update
-    num_drafts: int = 0        # draft tokens to verify this step (their sequences' spec_token_ids)
-
-
-@dataclass
-class StepOutcome:
-    """What ``update_from_output`` changed (for deltas and stats)."""
-    sampled: list[Sequence] = field(default_factory=list)      # got a token, in row order
-    finished: list[Sequence] = field(default_factory=list)
-    computed_tokens: int = 0
-    recomputed_tokens: int = 0          # computed again after a preemption
-    generated_tokens: int = 0           # tokens appended (accepted drafts included)
-    drafted_tokens: int = 0             # draft tokens verified
-    accepted_tokens: int = 0            # of those, accepted
 
 
 class Scheduler:
@@ -176,7 +148,7 @@ class Scheduler:
         if not out.preempted:
             budget = self._admit_waiting(out, budget)
         out.num_batched_tokens = self.max_num_batched_tokens - budget
-        self._plan_sampling(out)
+        plan_sampling(out)
         return out
 
     @staticmethod
@@ -246,31 +218,6 @@ class Scheduler:
         out.scheduled = [(s, n) for s, n in out.scheduled if s is not victim]
         self._preempt(victim, out)
         return True
-
-    @staticmethod
-    def _plan_sampling(out: SchedulerOutput) -> None:
-        """A chunk that reaches its sequence's last token yields one logits row (batch.py), or
-        k + 1 rows when it carries k draft tokens (``logit_rows`` then names each sequence's
-        first row). An unforked n > 1 request samples all its choices from its one row: the
-        prompt is shared."""
-        rows: list[int] = []
-        next_row = 0
-        for seq, num_new in out.scheduled:
-            if seq.num_computed_tokens + num_new < seq.num_tokens + len(seq.spec_token_ids):
-                continue
-            row = next_row
-            next_row += 1 + len(seq.spec_token_ids)
-            out.num_drafts += len(seq.spec_token_ids)
-            out.sampling.append(seq)
-            rows.append(row)
-            req = seq.request
-            if not req.forked:
-                for index in range(1, req.params.n):
-                    child = seq.fork(index)
-                    out.forks.append(child)
-                    out.sampling.append(child)
-                    rows.append(row)
-        out.logit_rows = rows if out.forks or out.num_drafts else None
 
     # -- after the step --------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, tokens: list, logprobs: list) -> StepOutcome:

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 from backend.kv_cache.manager import KVCacheStats
 
 if TYPE_CHECKING:
-    from backend.engine.scheduler import Scheduler, SchedulerOutput, StepOutcome
+    from backend.engine.schedule_output import SchedulerOutput, StepOutcome
+    from backend.engine.scheduler import Scheduler
     from backend.engine.sequence import Sequence
 
 
