@@ -95,19 +95,7 @@ class ShimBackend(Backend):
                 data = line[5:].strip()
                 if data == "[DONE]":
                     return
-                event = json.loads(data)
-                if "error" in event:
-                    raise RuntimeError(f"stream error: {event['error']}")
-                piece = Piece()
-                for choice in event.get("choices") or []:
-                    piece.text += (choice.get("delta") or {}).get("content") or ""
-                    piece.finish_reason = choice.get("finish_reason") or piece.finish_reason
-                usage = event.get("usage")
-                if usage:
-                    piece.prompt_tokens = usage.get("prompt_tokens")
-                    piece.completion_tokens = usage.get("completion_tokens")
-                    piece.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-                yield piece
+                yield piece_of_event(json.loads(data), lambda c: (c.get("delta") or {}).get("content"))
 
     async def counters(self):
         return await asyncio.to_thread(scrape_counters, self.metrics_url) if self.metrics_url else {}
@@ -154,12 +142,16 @@ def parse_completion_line(line: str) -> Piece | None:
     data = line[5:].strip()
     if data == "[DONE]":
         return DONE
-    event = json.loads(data)
+    return piece_of_event(json.loads(data), lambda c: c.get("text"))
+
+
+def piece_of_event(event: dict, text_of) -> Piece:
+    """One OpenAI SSE chunk (chat or completions, ``text_of`` picks the choice's text) -> Piece."""
     if "error" in event:
         raise RuntimeError(f"stream error: {event['error']}")
     piece = Piece()
     for choice in event.get("choices") or []:
-        piece.text += choice.get("text") or ""
+        piece.text += text_of(choice) or ""
         piece.finish_reason = choice.get("finish_reason") or piece.finish_reason
     usage = event.get("usage")
     if usage:
