@@ -144,6 +144,13 @@ STRUCTURED_PARAMS = (RESPONSE_FORMAT, GUIDED_JSON, GUIDED_REGEX, GUIDED_CHOICE, 
 # Model-level parameters (config.pbtxt ``parameters``), not per request.
 MODEL_DIR = "model_dir"
 CONTEXT_WINDOW = "context_window"   # preprocessing: the engine's context_window() (backend/context.py)
+# engine: what its weights are, written by generate_repository() (backend/quant/apply.py
+# reported_parameters) and read back by the clients for /v1/models. Not engine options.
+WEIGHTS_DTYPE = "weights_dtype"                 # the resolved model dtype ("auto" -> float32 on CPU)
+WEIGHTS_QUANTIZATION = "weights_quantization"   # none | int8 | int4 (a packed checkpoint's own)
+WEIGHTS_GROUP_SIZE = "weights_group_size"       # int4's group; "" when none or per channel
+WEIGHT_BYTES = "weight_bytes"                   # parameters as resident in memory
+WEIGHTS_PARAMS = (WEIGHTS_DTYPE, WEIGHTS_QUANTIZATION, WEIGHTS_GROUP_SIZE, WEIGHT_BYTES)
 
 INT_PARAMS = (N, MAX_TOKENS, MIN_TOKENS, TOP_K, SEED, TOP_LOGPROBS, REQUEST_PRIORITY)
 FLOAT_PARAMS = (TEMPERATURE, TOP_P, MIN_P, PRESENCE_PENALTY, FREQUENCY_PENALTY, REPETITION_PENALTY,

@@ -194,6 +194,23 @@ class TritonLLMClient:
         except Exception as exc:                 # noqa: BLE001 -- any failure: the server cannot say
             raise UnavailableError(f"the server did not report its context window: {exc}") from None
 
+    async def weights_info(self, timeout: float = 5.0) -> dict:
+        """What the engine's weights are: ``dtype``, ``quantization``, ``quant_group_size``,
+        ``weight_bytes``, as the generated repository wrote them into the engine's config
+        (backend/quant/apply.py reported_parameters). Raises UnavailableError when the server
+        cannot say."""
+        try:
+            cfg = await self._client().get_model_config(self.engine, as_json=True, client_timeout=timeout)
+            params = cfg["config"]["parameters"]
+            raw = {k: params.get(k, {}).get("string_value", "") for k in P.WEIGHTS_PARAMS}   # "" is left out
+            if not raw[P.WEIGHT_BYTES]:
+                raise ValueError("the engine's weights parameters are empty (repository not generated)")
+            group = raw[P.WEIGHTS_GROUP_SIZE]
+            return {"dtype": raw[P.WEIGHTS_DTYPE], "quantization": raw[P.WEIGHTS_QUANTIZATION],
+                    "quant_group_size": int(group) if group else None, "weight_bytes": int(raw[P.WEIGHT_BYTES])}
+        except Exception as exc:                 # noqa: BLE001 -- any failure: the server cannot say
+            raise UnavailableError(f"the server did not report its weights: {exc}") from None
+
     # -- generation -----------------------------------------------------------------------------
     def generate(self, prompt: str | None = None, messages: list[dict] | None = None, *,
                  request_id: str | None = None, params: dict | None = None,

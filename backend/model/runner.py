@@ -58,7 +58,8 @@ class ModelRunner:
                                 quantization=args.quantization, quant_group_size=args.quant_group_size)
         q = self.model.quantization
         logging.getLogger("triton_llm.model").info(
-            "loaded %s: dtype %s, quantization %s%s, weights %.1f MiB", model_dir, args.dtype, q["method"],
+            "loaded %s: dtype %s, quantization %s%s, weights %.1f MiB", model_dir,
+            str(self.dtype).removeprefix("torch."), q["method"],
             f" (group {q['group_size']})" if q["group_size"] else "", q["weight_bytes"] / 2**20)
         self.attention = make_attention_backend(args.attention_backend, self.device)
 

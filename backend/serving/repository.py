@@ -8,7 +8,8 @@ Generating fills ``model_dir`` in every model that declares it, writes engine op
 ``engine`` model's parameters (an option the template does not declare is an error, so a typo in
 ``--engine-option`` fails here rather than being ignored), writes the engine's context window
 (backend/context.py) into ``preprocessing``'s ``context_window`` so both validate against the same
-number, and optionally changes instance counts.
+number, writes what the engine's weights will be (dtype, quantization, bytes: backend/quant/apply.py
+reported_parameters) into its ``weights_*`` parameters, and optionally changes instance counts.
 """
 from __future__ import annotations
 
@@ -115,6 +116,10 @@ def generate_repository(dst: pathlib.Path, model_dir: str | pathlib.Path, *,
                     cfg = set_parameter(cfg, key, value)
                 except KeyError:
                     raise ValueError(f"engine option {key!r} is not declared in {src / name / 'config.pbtxt'}") from None
+            if P.WEIGHT_BYTES in declared_parameters(cfg):     # what the weights are, for /v1/models
+                from backend.quant.apply import reported_parameters
+                for key, value in reported_parameters(model_dir, engine_args(src, engine_options)).items():
+                    cfg = set_parameter(cfg, key, value)
         if instances and name in instances:
             cfg = set_instance_count(cfg, instances[name])
         cfg_path.write_text(cfg)

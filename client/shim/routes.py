@@ -183,7 +183,25 @@ async def _model_card(request: Request) -> dict:
         card["max_model_len"] = await context_window_of(request.app).get()
     except TritonLLMError as exc:               # the server is not up yet: the card without it
         log.info("context window unknown: %s", exc)
+    card.update(await _weights_info(request))
     return card
+
+
+async def _weights_info(request: Request) -> dict:
+    """dtype, quantization, quant_group_size, weight_bytes of the served weights (asked once; {}
+    while the server cannot say, or from a client that cannot ask)."""
+    s = _state(request)
+    info = getattr(s, "weights_info", None)
+    if info is None:
+        ask = getattr(s.client, "weights_info", None)
+        if ask is None:
+            return {}
+        try:
+            info = s.weights_info = await ask()
+        except TritonLLMError as exc:
+            log.info("weights unknown: %s", exc)
+            return {}
+    return info
 
 
 @router.get("/health")

@@ -1,7 +1,11 @@
 """``triton-llm serve --engine-option quantization=int8`` on the tiny preset: a stream gives the
-offline int8 engine's greedy tokens, and a cancelled stream is aborted and frees its KV."""
+offline int8 engine's greedy tokens, a cancelled stream is aborted and frees its KV, and the OpenAI
+SDK's ``models.list()`` (shim -> Triton's engine config) and the startup log report int8 with the
+loaded model's weight bytes."""
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 import threading
@@ -18,20 +22,25 @@ pytestmark = pytest.mark.e2e
 
 
 class _Addr:
-    def __init__(self, grpc: int, metrics: int):
+    def __init__(self, grpc: int, metrics: int, shim: int, workdir, lines: list[str]):
         self.grpc_url = f"127.0.0.1:{grpc}"
         self.metrics_url = f"http://127.0.0.1:{metrics}/metrics"
+        self.shim_url = f"http://127.0.0.1:{shim}/v1"
+        self.workdir, self.lines = workdir, lines
 
 
 @pytest.fixture(scope="module")
 def int8_server(tmp_path_factory):
-    http, grpc, metrics = free_port(), free_port(), free_port()
+    http, grpc, metrics, shim = free_port(), free_port(), free_port(), free_port()
+    workdir = tmp_path_factory.mktemp("serve")
     cmd = [sys.executable, "-m", "backend.cli", "serve", "--model", str(model_dir("tiny")),
            "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
-           "--shim-port", "0", "--workdir", str(tmp_path_factory.mktemp("serve")),
+           "--shim-port", str(shim), "--workdir", str(workdir),
            "--engine-option", "quantization=int8", "--engine-option", "num_kv_blocks=128",
            "--engine-option", "num_threads=1"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # A short drain: the teardown need not wait the default 60 s for the cancelled stream's leftovers.
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "TRITON_LLM_DRAIN_SECONDS": "2"})
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
     try:
@@ -40,11 +49,11 @@ def int8_server(tmp_path_factory):
             assert proc.poll() is None, "".join(lines)
             assert time.monotonic() < deadline, "".join(lines)
             time.sleep(0.2)
-        yield _Addr(grpc, metrics)
+        yield _Addr(grpc, metrics, shim, workdir, lines)
     finally:
         proc.terminate()
         try:
-            proc.wait(timeout=60)
+            proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
 
@@ -83,3 +92,26 @@ def test_int8_stream_cancel_frees_the_request(int8_server):
     wait_metric(int8_server, lambda m: metric(m, "llm_num_requests_running") == 0
                 and metric(m, "llm_kv_cache_usage_ratio") == metric(before, "llm_kv_cache_usage_ratio"),
                 timeout=5.0)
+
+
+def test_models_card_and_startup_log_report_int8(int8_server):
+    """The card's dtype / quantization / weight_bytes are the loaded int8 model's (offline engine),
+    and the engine's startup log line says the same."""
+    import openai
+
+    from backend import LLM
+
+    sdk = openai.OpenAI(base_url=int8_server.shim_url, api_key="none", max_retries=0, timeout=30)
+    card = sdk.models.list().data[0]
+    offline = LLM(str(model_dir("tiny")), quantization="int8", num_kv_blocks=64)
+    q = offline.engine.runner.model.quantization
+    assert q["method"] == "int8"
+    assert (card.dtype, card.quantization, card.quant_group_size, card.weight_bytes) == \
+        ("float32", "int8", q["group_size"], q["weight_bytes"])
+    assert card.weight_bytes < 0.5 * LLM(str(model_dir("tiny")), num_kv_blocks=64) \
+        .engine.runner.model.quantization["weight_bytes"]
+    assert sdk.models.retrieve(card.id).weight_bytes == card.weight_bytes
+    log = (int8_server.workdir / "tritonserver.log").read_text(errors="replace") + "".join(int8_server.lines)
+    m = re.search(r"loaded \S+: dtype (\w+), quantization (\w+).*?, weights ([\d.]+) MiB", log)
+    assert m, log[-3000:]
+    assert m.groups() == ("float32", "int8", f"{q['weight_bytes'] / 2**20:.1f}")

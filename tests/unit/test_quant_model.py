@@ -12,6 +12,7 @@ from backend.config import EngineArgs
 from backend.model.batch_builder import SeqChunk, build_batch
 from backend.model.gguf_import import import_gguf
 from backend.model.runner import ModelRunner
+from backend.quant.apply import planned_summary
 from backend.quant.linear import QuantLinear
 from tests.conftest import model_dir
 from tests.unit.test_gguf_import import write_gguf
@@ -77,6 +78,7 @@ def test_gguf_keep_quantized_runs_at_its_own_size(tmp_path, qtype, bits):
     assert qc == {"quant_method": "triton_llm", "bits": bits, "group_size": 32, "source": f"gguf:{qtype}"}
     dense, packed = _runner(tmp_path / "f32"), _runner(tmp_path / "packed")
     assert packed.model.quantization["method"] == f"int{bits}"
+    assert planned_summary(tmp_path / "packed", dtype=torch.float32) == packed.model.quantization   # /v1/models
     a, b = _logits(dense), _logits(packed)
     assert (a - b).abs().max() <= 1e-4 * a.abs().max()
     proj = lambda r: sum(p.numel() * p.element_size() for n, p in r.model.named_parameters() if "_proj" in n)  # noqa: E731

@@ -6,6 +6,7 @@ from dataclasses import fields
 
 import pytest
 
+from backend import protocol as P
 from backend.config import EngineArgs
 from backend.context import context_window_for
 from backend.errors import EngineError, ErrorKind
@@ -81,7 +82,7 @@ def test_context_window_is_clamped_by_the_kv_pool(tiny_model):
 
 def test_every_engine_arg_is_a_config_parameter():
     declared = declared_parameters((TEMPLATES / "engine" / "config.pbtxt").read_text())
-    assert {f.name for f in fields(EngineArgs)} | {"model_dir"} == set(declared)
+    assert {f.name for f in fields(EngineArgs)} | {"model_dir", *P.WEIGHTS_PARAMS} == set(declared)
     defaults = EngineArgs()
     for f in fields(EngineArgs):                        # the template's values are the defaults
         assert getattr(EngineArgs.from_dict({f.name: declared[f.name]}), f.name) == getattr(defaults, f.name)

@@ -3,6 +3,8 @@
 execute() copies each request out of pb_utils and hands it to the EngineService, which submits it
 to the EngineLoop thread and answers from its own response thread; execute() returns None at once.
 """
+import logging
+
 import triton_python_backend_utils as pb_utils
 
 from backend import protocol as P
@@ -57,8 +59,25 @@ class MetricFactory:
         return self._family(name, doc, pb_utils.MetricFamily.HISTOGRAM).Metric(labels=labels, buckets=buckets)
 
 
+class TritonLogHandler(logging.Handler):
+    """Python logging -> tritonserver's log (pb_utils.Logger), for the model-loading logger: the
+    startup line with the dtype, quantization and weight bytes lands in tritonserver.log."""
+
+    def emit(self, record):
+        msg = f"{record.name}: {record.getMessage()}"
+        (pb_utils.Logger.log_warn if record.levelno >= logging.WARNING else pb_utils.Logger.log_info)(msg)
+
+
+def _forward_model_log():
+    log = logging.getLogger("triton_llm.model")
+    if not any(isinstance(h, TritonLogHandler) for h in log.handlers):
+        log.addHandler(TritonLogHandler())
+        log.setLevel(logging.INFO)
+
+
 class TritonPythonModel:
     def initialize(self, args):
+        _forward_model_log()
         if not pb_utils.using_decoupled_model_transaction_policy(self._config(args)):
             raise ValueError("the engine model must be decoupled (model_transaction_policy { decoupled: true })")
         params = config_parameters(args["model_config"])
