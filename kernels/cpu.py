@@ -9,6 +9,10 @@ call, so the engine's response thread runs meanwhile.
 Cache: ``build/kernels/paged_cpu-<hash>.so`` where the hash covers the source, the compiler flags
 and this CPU's flags (``-march=native`` code must not run on another CPU), or
 ``$TRITON_LLM_KERNEL_CACHE``. ``TRITON_LLM_CPU_KERNELS=0`` turns the kernels off.
+
+:func:`decode_library` is the second library: ``csrc/decode_cpu.c`` (a whole fp32 decode step in
+one call, used by backend/model/fused_decode.py) linked with ``paged_cpu.c``, built with OpenMP
+(torch's own ``libgomp`` serves it at run time) or, if that fails, without.
 """
 from __future__ import annotations
 
@@ -27,7 +31,9 @@ import torch
 
 log = logging.getLogger("triton_llm.kernels")
 SOURCE = pathlib.Path(__file__).with_name("csrc") / "paged_cpu.c"
+DECODE_SOURCE = SOURCE.with_name("decode_cpu.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC"]
+DECODE_FLAGS = [["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"], FLAGS]   # first that builds
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 
@@ -56,19 +62,26 @@ def _cache_dir() -> pathlib.Path:
     return pathlib.Path(tempfile.gettempdir()) / "triton_llm_kernels"
 
 
-def _build(source: pathlib.Path = SOURCE, flags: list[str] = FLAGS) -> pathlib.Path | None:
-    """Build ``source`` once into the cache (also used by backend/quant/cpu.py); None on failure."""
+def _disabled() -> bool:
+    return os.environ.get("TRITON_LLM_CPU_KERNELS", "1").lower() in ("0", "false", "off", "no")
+
+
+def _build(source: pathlib.Path = SOURCE, flags: list[str] = FLAGS,
+           extra: tuple[pathlib.Path, ...] = ()) -> pathlib.Path | None:
+    """Build ``source`` (+ ``extra`` sources into the same library) once into the cache (also used
+    by backend/quant/cpu.py); None on failure."""
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         return None
-    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode() + _cpu_flags().encode()
+    key = hashlib.sha256(source.read_bytes() + b"".join(p.read_bytes() for p in extra)
+                         + " ".join(flags).encode() + _cpu_flags().encode()
                          + platform.machine().encode()).hexdigest()[:16]
     out = _cache_dir() / f"{source.stem}-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}")
-    proc = subprocess.run([cc, *flags, "-o", str(tmp), str(source), "-lm"], capture_output=True, text=True)
+    proc = subprocess.run([cc, *flags, "-o", str(tmp), str(source), *map(str, extra), "-lm"], capture_output=True, text=True)
     if proc.returncode != 0:
         log.warning("CPU kernel %s did not build (torch fallback): %s", source.name, proc.stderr[-500:])
         return None
@@ -79,7 +92,7 @@ def _build(source: pathlib.Path = SOURCE, flags: list[str] = FLAGS) -> pathlib.P
 @functools.lru_cache(maxsize=1)
 def library():
     """The loaded kernels, or None (disabled, no compiler, build failed)."""
-    if os.environ.get("TRITON_LLM_CPU_KERNELS", "1").lower() in ("0", "false", "off", "no"):
+    if _disabled():
         return None
     try:
         path = _build()
@@ -126,3 +139,25 @@ def attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bl
         query.shape[1], hkv, d, bs, scale, out.data_ptr())
     if rc != 0:
         raise MemoryError("paged CPU attention: scratch allocation failed")
+
+
+@functools.lru_cache(maxsize=1)
+def decode_library():
+    """The fused decode step (``decode_forward``), or None (disabled, no compiler, build failed)."""
+    if _disabled():
+        return None
+    for flags in DECODE_FLAGS:
+        try:
+            path = _build(DECODE_SOURCE, flags, extra=(SOURCE,))
+            if path is None:
+                continue
+            lib = ctypes.CDLL(str(path))
+        except OSError as exc:
+            log.warning("fused CPU decode library did not load with %s: %s", flags, exc)
+            continue
+        lib.decode_forward.argtypes = [_P, _I, _P, _P, _P, _P, _I, _P, _I, _P, _P, _P, ctypes.c_int]
+        lib.decode_forward.restype = ctypes.c_int
+        lib.decode_scratch_floats.argtypes = [_P, _I]
+        lib.decode_scratch_floats.restype = _I
+        return lib
+    return None

@@ -15,6 +15,7 @@ from backend.context import model_max_len, num_kv_blocks
 from backend.kv_cache.storage import KVCacheStorage
 from backend.model.attention import AttentionMetadata, make_attention_backend
 from backend.model.config import load_model_config
+from backend.model.fused_decode import make_fused_decoder
 from backend.model.loader import load_model, parse_dtype
 
 
@@ -74,6 +75,9 @@ class ModelRunner:
         self.info = ModelInfo(model_type=cfg.model_type, vocab_size=cfg.vocab_size, num_layers=cfg.num_layers,
                               num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, max_model_len=max_len,
                               eos_token_ids=list(cfg.eos_token_ids))
+        # All-decode steps of fp32 CPU models in one C call (backend/model/fused_decode.py); None:
+        # every step takes the torch path.
+        self.fused = make_fused_decoder(self.model, self.kv_caches, args.block_size, self.attention)
 
     info: ModelInfo
     num_blocks: int
@@ -81,6 +85,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: BatchInput) -> torch.Tensor:
         """Run the model on the batch, writing K/V into the pool; return fp32 logits [num_logits, vocab]."""
+        if self.fused is not None and self.fused.accepts(batch.input_ids.shape[0], batch.seq_lens.shape[0]):
+            return self.fused.forward(batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables,
+                                      batch.seq_lens, batch.logits_indices)
         dev = self.device
         cu = batch.cu_seqlens_q.to(dev)
         max_q = batch.max_seqlen_q or int((batch.cu_seqlens_q[1:] - batch.cu_seqlens_q[:-1]).max())

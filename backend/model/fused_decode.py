@@ -1,0 +1,153 @@
+"""The fused CPU decode step: a whole all-decode batch through the model in one C call.
+
+Why: at one or a few sequences a decode step of a small model is mostly Python and op dispatch
+(~12 torch calls per layer, each a few microseconds plus its allocation), and MKL's GEMV at M = 1
+reads weights slower than this machine's memory allows. ``kernels/csrc/decode_cpu.c`` runs
+embedding, every layer (RMSNorm, qkv, RoPE, KV store, paged attention through the block tables,
+o-proj + residual, RMSNorm, gate/up, SiLU * up, down + residual), the final norm and the lm_head
+for the logits rows, with no Python in between and no per-step allocation but the logits.
+
+When it is used (:func:`make_fused_decoder` returns None otherwise and the torch path runs):
+CPU, fp32 weights and KV cache, plain :class:`~backend.model.llama.Linear` projections (no
+quantization), the torch attention backend, the C library built (``kernels.cpu.decode_library``),
+and ``TRITON_LLM_FUSED_DECODE`` not ``0``. Per step, :meth:`FusedDecoder.accepts` takes a batch in
+which every sequence has exactly one new token; prefill and mixed steps keep the torch path.
+
+Numerics: the same fp32 operations as the torch path in another summation order (logits agree to
+~1e-5 relative, pinned by tests/unit/test_model_fused_decode.py; greedy tokens by the parity tests).
+Linears of ``M >= TRITON_LLM_FUSED_GEMM_MIN_M`` rows (default :data:`GEMM_MIN_M`) call MKL's
+``sgemm_`` from torch's own library, where it is exported; smaller ones the C register tiles.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import pathlib
+
+import torch
+
+from backend.model.llama import Linear, LlamaForCausalLM
+
+log = logging.getLogger("triton_llm.model")
+GEMM_MIN_M = 64    # measured on a Zen 3 core: the C tiles beat MKL up to at least M = 32 (docs/kernels.md)
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+_LAYER_FIELDS = ("ln1", "qkv_w", "qkv_b", "o_w", "o_b", "ln2", "gu_w", "gu_b", "down_w", "down_b",
+                 "k_cache", "v_cache")
+
+
+class _Model(ctypes.Structure):
+    """Mirror of ``Model`` in kernels/csrc/decode_cpu.c (same field order)."""
+    _fields_ = ([(n, _I) for n in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "inter",
+                                   "vocab", "block_size", "max_pos", "gemm_min_m")]
+                + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+                + [(n, _P) for n in ("embed", "norm", "lm_head", "cos", "sin", *_LAYER_FIELDS, "sgemm")])
+
+
+def enabled() -> bool:
+    return os.environ.get("TRITON_LLM_FUSED_DECODE", "1").lower() not in ("0", "false", "off", "no")
+
+
+def _mkl_sgemm() -> int | None:
+    """Address of MKL's Fortran ``sgemm_`` in torch's CPU library, or None where it is not exported."""
+    try:
+        lib = ctypes.CDLL(str(pathlib.Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+        return ctypes.cast(lib.sgemm_, ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return None
+
+
+def _f32(t: torch.Tensor | None) -> bool:
+    return t is None or (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous())
+
+
+class FusedDecoder:
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 block_size: int, lib):
+        cfg, rot = model.cfg, model.rotary
+        self._lib = lib
+        self._keep = []           # ctypes pointer arrays the struct points into
+        layers = model.model.layers
+        per_layer = {
+            "ln1": [x.input_layernorm.weight for x in layers],
+            "qkv_w": [x.self_attn.qkv_proj.weight for x in layers],
+            "qkv_b": [x.self_attn.qkv_proj.bias for x in layers],
+            "o_w": [x.self_attn.o_proj.weight for x in layers],
+            "o_b": [x.self_attn.o_proj.bias for x in layers],
+            "ln2": [x.post_attention_layernorm.weight for x in layers],
+            "gu_w": [x.mlp.gate_up_proj.weight for x in layers],
+            "gu_b": [x.mlp.gate_up_proj.bias for x in layers],
+            "down_w": [x.mlp.down_proj.weight for x in layers],
+            "down_b": [x.mlp.down_proj.bias for x in layers],
+            "k_cache": [k for k, _ in kv_caches],
+            "v_cache": [v for _, v in kv_caches],
+        }
+        arrays = {}
+        for name, tensors in per_layer.items():
+            arr = (_P * len(tensors))(*[None if t is None else t.data_ptr() for t in tensors])
+            self._keep.append(arr)
+            arrays[name] = ctypes.cast(arr, _P)
+        sgemm = _mkl_sgemm()
+        self._struct = _Model(
+            num_layers=cfg.num_layers, hidden=cfg.hidden_size, num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, inter=cfg.intermediate_size,
+            vocab=cfg.vocab_size, block_size=block_size, max_pos=rot.cos.shape[0],
+            gemm_min_m=int(os.environ.get("TRITON_LLM_FUSED_GEMM_MIN_M", GEMM_MIN_M)) if sgemm else 1 << 62,
+            eps=cfg.rms_norm_eps, scale=cfg.head_dim ** -0.5,
+            embed=model.model.embed_tokens.data_ptr(), norm=model.model.norm.weight.data_ptr(),
+            lm_head=model.lm_head_weight().data_ptr(), cos=rot.cos.data_ptr(), sin=rot.sin.data_ptr(),
+            sgemm=sgemm, **arrays)
+        self._tensors = per_layer        # the pointers above stay valid while these live
+        self._vocab = cfg.vocab_size
+        self._scratch = torch.empty(0)
+
+    @staticmethod
+    def accepts(num_tokens: int, num_seqs: int) -> bool:
+        """Every sequence brings exactly one token (each chunk has at least one)."""
+        return num_tokens == num_seqs
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                block_tables: torch.Tensor, seq_lens: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        """All CPU tensors as in BatchInput (row i = sequence i) -> fp32 logits [num_logits, vocab]."""
+        m = input_ids.shape[0]
+        ids = input_ids.to(torch.int64).contiguous()
+        pos = positions.to(torch.int64).contiguous()
+        slots = slot_mapping.to(torch.int64).contiguous()
+        tables = block_tables.to(torch.int32).contiguous()
+        ctx = seq_lens.to(torch.int32).contiguous()
+        rows = logits_indices.to(torch.int64).contiguous()
+        need = self._lib.decode_scratch_floats(ctypes.byref(self._struct), m)
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(need, dtype=torch.float32)
+        logits = torch.empty(rows.shape[0], self._vocab, dtype=torch.float32)
+        rc = self._lib.decode_forward(ctypes.byref(self._struct), m, ids.data_ptr(), pos.data_ptr(),
+                                      slots.data_ptr(), tables.data_ptr(), tables.shape[1], ctx.data_ptr(),
+                                      rows.shape[0], rows.data_ptr(), self._scratch.data_ptr(),
+                                      logits.data_ptr(), torch.get_num_threads())
+        if rc == -2:
+            raise ValueError("fused decode: a token id, position or logits row is out of range")
+        if rc != 0:
+            raise MemoryError("fused decode: scratch allocation failed")
+        return logits
+
+
+def make_fused_decoder(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                       block_size: int, attention) -> FusedDecoder | None:
+    """A FusedDecoder when this model and device qualify (module docstring), else None."""
+    from backend.model.attention import TorchAttention
+    from kernels.cpu import decode_library
+
+    if not enabled() or not isinstance(attention, TorchAttention) or model.cfg.head_dim % 2:
+        return None
+    linears = [m for m in model.modules() if m.__class__.__name__.endswith("Linear")]
+    if any(type(m) is not Linear or not (_f32(m.weight) and _f32(m.bias)) for m in linears):
+        return None                                       # quantized or not fp32 on CPU
+    others = [model.model.embed_tokens, model.lm_head_weight(), model.model.norm.weight, model.rotary.cos,
+              model.rotary.sin, *(t for kv in kv_caches for t in kv)]
+    if not all(_f32(t) for t in others) or any(not _f32(x.weight) for x in model.modules() if hasattr(x, "eps")):
+        return None
+    lib = decode_library()
+    if lib is None:
+        return None
+    log.info("fused CPU decode step on (kernels/csrc/decode_cpu.c)")
+    return FusedDecoder(model, kv_caches, block_size, lib)

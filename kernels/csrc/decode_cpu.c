@@ -1,0 +1,217 @@
+/* One whole decode step of a Llama-family model in one C call (fp32 weights, CPU).
+ *
+ * Built by kernels/cpu.py together with paged_cpu.c (whose attend_f32 it calls), loaded through
+ * ctypes by backend/model/fused_decode.py. Every one of the M rows is a sequence decoding one
+ * token (row i = sequence i, block table row i). Per layer, with Q = Hq*D, KV = Hkv*D:
+ *
+ *   xn  = rmsnorm(h) * ln1                          [M, H]
+ *   qkv = xn Wqkv^T (+ b)                           [M, Q + 2 KV]   rows: [ q | k | v ]
+ *   q, k rotated (rotate-half RoPE, cos/sin of each row's position); q -> qbuf [M, Q],
+ *   k, v -> the layer's KV cache at slots[i]        cache [blocks, block_size, Hkv, D]
+ *   att = paged attention of qbuf over ctx[i] tokens through the block table   [M, Q]
+ *   h  += att Wo^T (+ b)
+ *   xn  = rmsnorm(h) * ln2
+ *   gu  = xn Wgu^T (+ b)                            [M, 2I]         rows: [ gate | up ]
+ *   act = silu(gate) * up                           [M, I]
+ *   h  += act Wdown^T (+ b)
+ *
+ * then logits[j] = rmsnorm(h[logit_rows[j]]) * norm  W_lm^T.
+ *
+ * The linears are x W^T with W [N, K] row-major as stored by torch. Small M: register tiles of
+ * R weight rows x T tokens (8-float vector accumulators along K, horizontal sum at the end), each
+ * weight tile read from memory once and reused from L1 for every group of T tokens. M >= gemm_min_m
+ * (when the caller passes MKL's sgemm_): BLAS, which wins once the step is compute-bound.
+ * Threads: OpenMP over weight-row blocks and attention rows when nthreads > 1.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef float v8 __attribute__((vector_size(32)));
+
+typedef void (*sgemm_fn)(const char *ta, const char *tb, const int *m, const int *n, const int *k,
+                         const float *alpha, const float *a, const int *lda, const float *b,
+                         const int *ldb, const float *beta, float *c, const int *ldc);
+
+int attend_f32(const float *q, const float *kc, const float *vc, const int32_t *tables,
+               int64_t table_stride, const int64_t *rows, const int32_t *seq, const int32_t *ctx,
+               int64_t nrows, int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale, float *out);
+
+/* Mirrored by backend/model/fused_decode.py's ctypes Structure (same field order). */
+typedef struct {
+    int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, inter, vocab, block_size, max_pos;
+    int64_t gemm_min_m;             /* M at or above which sgemm (if set) runs the linears */
+    float eps, scale;
+    const float *embed, *norm, *lm_head;
+    const float *cos, *sin;         /* [max_pos, D/2] */
+    const float **ln1, **qkv_w, **qkv_b, **o_w, **o_b, **ln2, **gu_w, **gu_b, **down_w, **down_b;
+    float **k_cache, **v_cache;     /* per layer */
+    sgemm_fn sgemm;                 /* NULL: own kernels for every M */
+} Model;
+
+static inline v8 ld(const float *p) { v8 x; memcpy(&x, p, sizeof x); return x; }
+static inline float hsum(v8 a) {
+    return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
+}
+
+/* y[t, r] (+)= x[t] . w[r] + bias[r] for R rows, T tokens; pf: the R rows to prefetch meanwhile
+ * (the next tile's, on the first token group only: later groups find this tile in L1). */
+#define DEFINE_TILE(R, T)                                                                          \
+static void tile_##R##_##T(const float *x, int64_t K, const float *w, const float *bias,         \
+                           float *y, int64_t ldy, int acc, const float *pf) {                      \
+    v8 a[R][T];                                                                                    \
+    for (int r = 0; r < R; r++) for (int t = 0; t < T; t++) a[r][t] = (v8){0};                     \
+    int64_t k = 0;                                                                                 \
+    for (; k + 8 <= K; k += 8) {                                                                   \
+        if (pf && (k & 15) == 0)                                                                   \
+            for (int r = 0; r < R; r++) __builtin_prefetch(pf + r * K + k);                        \
+        v8 wv[R];                                                                                  \
+        for (int r = 0; r < R; r++) wv[r] = ld(w + r * K + k);                                     \
+        for (int t = 0; t < T; t++) {                                                              \
+            v8 xv = ld(x + t * K + k);                                                             \
+            for (int r = 0; r < R; r++) a[r][t] += wv[r] * xv;                                     \
+        }                                                                                          \
+    }                                                                                              \
+    for (int r = 0; r < R; r++)                                                                    \
+        for (int t = 0; t < T; t++) {                                                              \
+            float s = hsum(a[r][t]);                                                               \
+            for (int64_t i = k; i < K; i++) s += w[r * K + i] * x[t * K + i];                      \
+            if (bias) s += bias[r];                                                                \
+            y[t * ldy + r] = acc ? y[t * ldy + r] + s : s;                                         \
+        }                                                                                          \
+}
+
+DEFINE_TILE(4, 1) DEFINE_TILE(4, 2) DEFINE_TILE(3, 3) DEFINE_TILE(2, 4)
+DEFINE_TILE(1, 1) DEFINE_TILE(1, 2) DEFINE_TILE(1, 3) DEFINE_TILE(1, 4)
+
+#define ROW_BLOCK 32   /* weight rows per work item: a thread's share stays contiguous */
+
+/* y [M, N] (+)= x [M, K] W^T + bias;  x, y contiguous; acc: add into y (the residual). */
+static void linear(const Model *m, const float *x, int64_t M, int64_t K, const float *W,
+                   const float *bias, int64_t N, float *y, int acc, int nt) {
+    if (m->sgemm && M >= m->gemm_min_m && M < (1 << 30)) {
+        /* Column-major view: y^T [N, M] = W [K, N]^T x^T [K, M]. */
+        const int n_ = (int)N, m_ = (int)M, k_ = (int)K;
+        const float one = 1.f, beta = acc ? 1.f : 0.f;
+        m->sgemm("T", "N", &n_, &m_, &k_, &one, W, &k_, x, &k_, &beta, y, &n_);
+        if (bias)
+            for (int64_t t = 0; t < M; t++)
+                for (int64_t n = 0; n < N; n++) y[t * N + n] += bias[n];
+        return;
+    }
+    const int64_t nblocks = (N + ROW_BLOCK - 1) / ROW_BLOCK;
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
+    for (int64_t blk = 0; blk < nblocks; blk++) {
+        const int64_t n0 = blk * ROW_BLOCK, n1 = n0 + ROW_BLOCK < N ? n0 + ROW_BLOCK : N;
+        int64_t n = n0;
+        for (; n + 4 <= n1; n += 4) {         /* 4 rows at a time (3+1 for 3 tokens, 2+2 for 4) */
+            const float *w = W + n * K, *b = bias ? bias + n : NULL;
+            const float *pf = n + 8 <= N ? w + 4 * K : NULL;
+            for (int64_t t0 = 0; t0 < M; t0 += 4, pf = NULL) {
+                const float *xt = x + t0 * K;
+                float *yt = y + t0 * N + n;
+                switch (M - t0 >= 4 ? 4 : M - t0) {
+                case 1: tile_4_1(xt, K, w, b, yt, N, acc, pf); break;
+                case 2: tile_4_2(xt, K, w, b, yt, N, acc, pf); break;
+                case 3: tile_3_3(xt, K, w, b, yt, N, acc, pf);
+                        tile_1_3(xt, K, w + 3 * K, b ? b + 3 : NULL, yt + 3, N, acc, pf ? pf + 3 * K : NULL);
+                        break;
+                default: tile_2_4(xt, K, w, b, yt, N, acc, pf);
+                         tile_2_4(xt, K, w + 2 * K, b ? b + 2 : NULL, yt + 2, N, acc, pf ? pf + 2 * K : NULL);
+                }
+            }
+        }
+        for (; n < n1; n++) {
+            const float *w = W + n * K, *b = bias ? bias + n : NULL;
+            for (int64_t t0 = 0; t0 < M; t0 += 4) {
+                const float *xt = x + t0 * K;
+                float *yt = y + t0 * N + n;
+                switch (M - t0 >= 4 ? 4 : M - t0) {
+                case 1: tile_1_1(xt, K, w, b, yt, N, acc, NULL); break;
+                case 2: tile_1_2(xt, K, w, b, yt, N, acc, NULL); break;
+                case 3: tile_1_3(xt, K, w, b, yt, N, acc, NULL); break;
+                default: tile_1_4(xt, K, w, b, yt, N, acc, NULL);
+                }
+            }
+        }
+    }
+}
+
+/* out = x * rsqrt(mean(x^2) + eps) * w, one row of n. */
+static void rmsnorm(const float *x, const float *w, int64_t n, float eps, float *out) {
+    v8 a = (v8){0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) { v8 v = ld(x + i); a += v * v; }
+    float ss = hsum(a);
+    for (; i < n; i++) ss += x[i] * x[i];
+    const float inv = 1.f / sqrtf(ss / (float)n + eps);
+    for (i = 0; i < n; i++) out[i] = (x[i] * inv) * w[i];
+}
+
+/* Rotate-half RoPE of one head: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s). */
+static void rope(const float *x, const float *c, const float *s, int64_t half, float *out) {
+    for (int64_t i = 0; i < half; i++) {
+        const float x1 = x[i], x2 = x[i + half];
+        out[i] = x1 * c[i] - x2 * s[i];
+        out[i + half] = x2 * c[i] + x1 * s[i];
+    }
+}
+
+/* Bytes of float scratch decode_forward needs for M rows (the caller allocates it). */
+int64_t decode_scratch_floats(const Model *m, int64_t M) {
+    const int64_t q = m->num_heads * m->head_dim, kv = m->num_kv_heads * m->head_dim;
+    return M * (2 * m->hidden + (q + 2 * kv) + 2 * q + 3 * m->inter);
+}
+
+/* Returns 0, -1 (attention scratch allocation failed), -2 (a position or token id out of range). */
+int decode_forward(const Model *m, int64_t M, const int64_t *ids, const int64_t *pos,
+                   const int64_t *slots, const int32_t *tables, int64_t table_stride,
+                   const int32_t *ctx, int64_t nlogits, const int64_t *logit_rows, float *scratch,
+                   float *logits, int nt) {
+    const int64_t H = m->hidden, D = m->head_dim, hq = m->num_heads, hkv = m->num_kv_heads;
+    const int64_t q = hq * D, kv = hkv * D, I = m->inter, half = D / 2, qkvn = q + 2 * kv;
+    for (int64_t i = 0; i < M; i++)
+        if (pos[i] < 0 || pos[i] >= m->max_pos || ids[i] < 0 || ids[i] >= m->vocab) return -2;
+    for (int64_t j = 0; j < nlogits; j++)
+        if (logit_rows[j] < 0 || logit_rows[j] >= M) return -2;
+    float *h = scratch, *xn = h + M * H, *qkv = xn + M * H, *qb = qkv + M * qkvn, *att = qb + M * q;
+    float *gu = att + M * q, *act = gu + 2 * M * I;
+    int64_t *rows = malloc(sizeof(int64_t) * (size_t)M);
+    int32_t *seq = malloc(sizeof(int32_t) * (size_t)M);
+    if (!rows || !seq) { free(rows); free(seq); return -1; }
+    for (int64_t i = 0; i < M; i++) { rows[i] = i; seq[i] = (int32_t)i; }
+    for (int64_t i = 0; i < M; i++) memcpy(h + i * H, m->embed + ids[i] * H, sizeof(float) * (size_t)H);
+    int rc = 0;
+    for (int64_t l = 0; l < m->num_layers && rc == 0; l++) {
+        for (int64_t i = 0; i < M; i++) rmsnorm(h + i * H, m->ln1[l], H, m->eps, xn + i * H);
+        linear(m, xn, M, H, m->qkv_w[l], m->qkv_b[l], qkvn, qkv, 0, nt);
+        for (int64_t i = 0; i < M; i++) {
+            const float *c = m->cos + pos[i] * half, *s = m->sin + pos[i] * half, *r = qkv + i * qkvn;
+            for (int64_t hd = 0; hd < hq; hd++) rope(r + hd * D, c, s, half, qb + i * q + hd * D);
+            if (slots[i] < 0) continue;
+            float *kc = m->k_cache[l] + slots[i] * kv, *vc = m->v_cache[l] + slots[i] * kv;
+            for (int64_t hd = 0; hd < hkv; hd++) rope(r + q + hd * D, c, s, half, kc + hd * D);
+            memcpy(vc, r + q + kv, sizeof(float) * (size_t)kv);
+        }
+#pragma omp parallel for schedule(dynamic) num_threads(nt) if (nt > 1 && M > 1) reduction(| : rc)
+        for (int64_t i = 0; i < M; i++)
+            rc |= attend_f32(qb, m->k_cache[l], m->v_cache[l], tables, table_stride, rows + i,
+                             seq + i, ctx + i, 1, hq, hkv, D, m->block_size, m->scale, att);
+        linear(m, att, M, q, m->o_w[l], m->o_b[l], H, h, 1, nt);
+        for (int64_t i = 0; i < M; i++) rmsnorm(h + i * H, m->ln2[l], H, m->eps, xn + i * H);
+        linear(m, xn, M, H, m->gu_w[l], m->gu_b[l], 2 * I, gu, 0, nt);
+        for (int64_t i = 0; i < M; i++) {
+            const float *g = gu + i * 2 * I, *u = g + I;
+            float *a = act + i * I;
+            for (int64_t j = 0; j < I; j++) a[j] = g[j] / (1.f + expf(-g[j])) * u[j];
+        }
+        linear(m, act, M, I, m->down_w[l], m->down_b[l], H, h, 1, nt);
+    }
+    free(rows);
+    free(seq);
+    if (rc != 0) return -1;
+    for (int64_t j = 0; j < nlogits; j++) rmsnorm(h + logit_rows[j] * H, m->norm, H, m->eps, xn + j * H);
+    linear(m, xn, nlogits, H, m->lm_head, NULL, m->vocab, logits, 0, nt);
+    return 0;
+}

@@ -1,0 +1,138 @@
+"""The fused C decode step (backend/model/fused_decode.py) against the torch path of the same runner.
+
+Same weights, same KV pool, same batch: logits must agree to 1e-4 relative and the K/V it stores
+must be the ones the torch path stores. Both presets: ``tiny`` (GQA 4/2 heads, D 64, tied lm_head)
+and ``tiny-qwen2`` (qkv bias, D 32, 8/2 heads, untied lm_head). Block size 4 and shuffled block ids,
+so every sequence spans several blocks and a wrong table lookup cannot pass by luck.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from backend.config import EngineArgs
+from backend.model import fused_decode
+from backend.model.batch_builder import SeqChunk, build_batch
+from backend.model.runner import ModelRunner
+from kernels.cpu import decode_library
+from tests.conftest import model_dir
+
+BLOCK = 4
+NUM_BLOCKS = 160
+RTOL = 1e-4
+
+
+
+@pytest.fixture(scope="module", params=["tiny", "tiny-qwen2"])
+def runner(request) -> ModelRunner:
+    if decode_library() is None:
+        pytest.skip("no C compiler: the fused decode step is unavailable")
+    r = ModelRunner(str(model_dir(request.param)), EngineArgs(block_size=BLOCK, num_kv_blocks=NUM_BLOCKS,
+                                                              num_threads=1))
+    assert r.fused is not None
+    return r
+
+
+def prefill(r: ModelRunner, lengths: list[int], seed: int) -> list[tuple[list[int], list[int]]]:
+    """Prefill one sequence per length (torch path); return (tokens, block table) per sequence, with
+    room for 2 more tokens each."""
+    rng = random.Random(seed)
+    free = rng.sample(range(NUM_BLOCKS), NUM_BLOCKS)
+    seqs = []
+    for n in lengths:
+        nb = -(-(n + 2) // BLOCK)
+        table, free = free[:nb], free[nb:]
+        seqs.append(([rng.randrange(r.info.vocab_size) for _ in range(n)], table))
+    r.fused, fused = None, r.fused
+    r.execute(build_batch([SeqChunk(t, 0, tab) for t, tab in seqs], BLOCK))
+    r.fused = fused
+    return seqs
+
+
+def both_paths(r: ModelRunner, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(fused logits, torch logits, KV after fused, KV after torch), each from the same pool state."""
+    before = r.storage.kv.clone()
+    fused_logits = r.execute(batch)
+    kv_fused = r.storage.kv.clone()
+    r.storage.kv.copy_(before)
+    r.fused, fused = None, r.fused
+    try:
+        torch_logits = r.execute(batch)
+    finally:
+        r.fused = fused
+    return fused_logits, torch_logits, kv_fused, r.storage.kv.clone()
+
+
+def assert_close(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.shape == b.shape
+    err = (a - b).abs().max().item()
+    assert err <= RTOL * b.abs().max().item(), f"max abs diff {err}"
+
+
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_fused_step_matches_torch_path(runner, m):
+    lengths = [random.Random(m).randrange(5, 23) for _ in range(m)]
+    lengths[0] = 21                                      # spans 6 blocks of 4
+    seqs = prefill(runner, lengths, seed=m)
+    for step in range(2):                                # second step reads the first one's K/V
+        batch = build_batch([SeqChunk([t[-1]], len(t), tab) for t, tab in seqs], BLOCK)
+        fused, ref, kv_fused, kv_ref = both_paths(runner, batch)
+        assert fused.shape == (m, runner.info.vocab_size) and fused.dtype == torch.float32
+        assert_close(fused, ref)
+        assert torch.equal(fused.argmax(-1), ref.argmax(-1))
+        assert (kv_fused - kv_ref).abs().max().item() < 1e-5
+        for (t, _), tok in zip(seqs, fused.argmax(-1).tolist()):
+            t.append(tok)
+
+
+def test_logits_rows_subset_and_order(runner):
+    seqs = prefill(runner, [9, 14, 6], seed=5)
+    batch = build_batch([SeqChunk([t[-1]], len(t), tab, logits=(i != 1)) for i, (t, tab) in enumerate(seqs)],
+                        BLOCK)
+    fused, ref, _, _ = both_paths(runner, batch)
+    assert fused.shape[0] == 2
+    assert_close(fused, ref)
+
+
+def test_prefill_and_mixed_steps_keep_the_torch_path(runner):
+    assert fused_decode.FusedDecoder.accepts(num_tokens=4, num_seqs=4)
+    assert not fused_decode.FusedDecoder.accepts(num_tokens=5, num_seqs=4)
+
+
+def test_bad_token_id_is_a_clear_error(runner):
+    seqs = prefill(runner, [7], seed=9)
+    t, tab = seqs[0]
+    batch = build_batch([SeqChunk([runner.info.vocab_size + 5], len(t), tab)], BLOCK)
+    with pytest.raises(ValueError, match="out of range"):
+        runner.execute(batch)
+
+
+def test_switch_and_no_compiler_fall_back(monkeypatch):
+    from kernels import cpu
+
+    path = str(model_dir("tiny"))
+    args = EngineArgs(block_size=BLOCK, num_kv_blocks=NUM_BLOCKS, num_threads=1)
+    monkeypatch.setenv("TRITON_LLM_FUSED_DECODE", "0")
+    assert ModelRunner(path, args).fused is None
+    monkeypatch.delenv("TRITON_LLM_FUSED_DECODE")
+    # No compiler: nothing builds, the decoder is off and a decode step still runs (torch path).
+    monkeypatch.setattr(cpu, "_build", lambda *a, **k: None)
+    cpu.decode_library.cache_clear()
+    cpu.library.cache_clear()
+    try:
+        r = ModelRunner(path, args)
+        assert r.fused is None
+        seqs = prefill(r, [6, 11], seed=3)
+        logits = r.execute(build_batch([SeqChunk([t[-1]], len(t), tab) for t, tab in seqs], BLOCK))
+        assert logits.shape == (2, r.info.vocab_size) and torch.isfinite(logits).all()
+    finally:
+        cpu.decode_library.cache_clear()
+        cpu.library.cache_clear()
+
+
+def test_quantized_and_bf16_models_are_not_fused():
+    path = str(model_dir("tiny"))
+    assert ModelRunner(path, EngineArgs(block_size=BLOCK, num_kv_blocks=8, quantization="int8")).fused is None
+    assert ModelRunner(path, EngineArgs(block_size=BLOCK, num_kv_blocks=8, dtype="bfloat16")).fused is None
