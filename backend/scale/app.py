@@ -32,12 +32,15 @@ class ScaleConfig:
     target_ongoing_requests: float = 4.0
     upscale_delay_s: float = 5.0
     downscale_delay_s: float = 30.0
+    autoscale_look_back_s: float = 30.0        # window Ray averages ongoing requests over
+    autoscale_metrics_interval_s: float = 10.0 # how often replicas/handles report them
     max_ongoing_requests: int = 64             # per replica: past it Ray queues in the router
     prefix_routing: bool = True                # False: Ray's default power-of-two-choices router
     imbalance: int = 4                         # load bound of the prefix router (ongoing requests)
     replica_cpus: float = 1.0
     replica_gpus: float = 0.0                  # 1 on GPU nodes: one engine per GPU
     ingress_cpus: float = 0.5
+    ingress_max_ongoing: int = 1024            # the shim limits per key itself; Ray's default is 5
     health_check_period_s: float = 2.0
     health_check_timeout_s: float = 10.0
     graceful_shutdown_s: float = 30.0
@@ -46,6 +49,8 @@ class ScaleConfig:
     fallback_replicas: int = 1
     fallback_tenants: list[str] = field(default_factory=list)   # "*": every request may degrade
     fallback_max_ongoing: float = 8.0          # primary ongoing requests per replica that saturate it
+    fallback_queue_s: float = 2.0              # primary engine queue time (recent max) that saturates it
+    fallback_model_name: str | None = None     # the name responses carry; default "<served>-fallback"
     shim: dict = field(default_factory=dict)   # ShimSettings fields (api_keys_file, model_name, ...)
 
     @property
@@ -64,7 +69,8 @@ def _replica_options(cfg: ScaleConfig, name: str, replicas: int, autoscale: bool
         opts["autoscaling_config"] = AutoscalingConfig(
             min_replicas=cfg.min_replicas, max_replicas=cfg.max_replicas, initial_replicas=cfg.min_replicas,
             target_ongoing_requests=cfg.target_ongoing_requests,
-            upscale_delay_s=cfg.upscale_delay_s, downscale_delay_s=cfg.downscale_delay_s)
+            upscale_delay_s=cfg.upscale_delay_s, downscale_delay_s=cfg.downscale_delay_s,
+            look_back_period_s=cfg.autoscale_look_back_s, metrics_interval_s=cfg.autoscale_metrics_interval_s)
     else:
         opts["num_replicas"] = replicas
     return opts
@@ -82,10 +88,12 @@ def build_app(cfg: ScaleConfig):
         fb_opts = _replica_options(cfg, "FallbackReplica", cfg.fallback_replicas, False)
         fallback = serve.deployment(TritonReplica).options(**fb_opts).bind(
             cfg.fallback_model_dir, cfg.fallback_engine_options, "fallback")
-    return ShimIngressDeployment.options(ray_actor_options={"num_cpus": cfg.ingress_cpus}).bind(
+    return ShimIngressDeployment.options(ray_actor_options={"num_cpus": cfg.ingress_cpus},
+                                         max_ongoing_requests=cfg.ingress_max_ongoing).bind(
         primary, fallback, model_dir=cfg.model_dir, block_size=cfg.block_size,
         prefix_routing=cfg.prefix_routing, shim=cfg.shim, fallback_tenants=cfg.fallback_tenants,
-        fallback_max_ongoing=cfg.fallback_max_ongoing)
+        fallback_max_ongoing=cfg.fallback_max_ongoing, fallback_queue_s=cfg.fallback_queue_s,
+        fallback_model_name=cfg.fallback_model_name)
 
 
 def app_builder(args: dict):

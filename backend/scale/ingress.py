@@ -7,7 +7,9 @@ to this replica and cancels it when the HTTP client disconnects, which unwinds t
 and, through ServeClient, the replica's gRPC stream (explicit abort in the engine).
 
 ``GET /scale/stats`` (API key required when keys are configured) reports the routers' decisions by
-policy, fallbacks and per-replica load as this ingress sees them.
+policy, fallbacks and per-replica load as this ingress sees them. Around the shim app, served.py's
+``ServedModel`` reads the per-request fallback opt-in header and names the serving model in the
+response (``model`` field, ``x-served-model`` header).
 """
 from __future__ import annotations
 
@@ -20,26 +22,33 @@ from backend.scale import metrics as metrics_mod
 class ShimIngress:
     def __init__(self, primary, fallback=None, *, model_dir: str, block_size: int = 16,
                  prefix_routing: bool = True, shim: dict | None = None,
-                 fallback_tenants: list[str] | None = None, fallback_max_ongoing: float = 8.0) -> None:
+                 fallback_tenants: list[str] | None = None, fallback_max_ongoing: float = 8.0,
+                 fallback_queue_s: float = 2.0, fallback_model_name: str | None = None) -> None:
         self.primary, self.fallback = primary, fallback
         self.model_dir, self.block_size, self.prefix_routing = model_dir, block_size, prefix_routing
         self.shim = dict(shim or {})
         self.fallback_tenants = set(fallback_tenants or [])
-        self.fallback_max_ongoing = fallback_max_ongoing
+        self.fallback_max_ongoing, self.fallback_queue_s = fallback_max_ongoing, fallback_queue_s
+        self.fallback_model_name = fallback_model_name
 
     def __serve_build_asgi_app__(self):
         from backend.scale.fallback import FallbackPolicy
         from backend.scale.prefix_key import PrefixKeyer
+        from backend.scale.served import ServedModel
         from backend.scale.serve_client import ServeClient
         from client.shim.app import create_app
         from client.shim.settings import ShimSettings
 
         keyer = PrefixKeyer(self.model_dir, self.block_size) if self.prefix_routing else None
         client = ServeClient(self.primary, keyer=keyer, fallback=self.fallback,
-                             fallback_policy=FallbackPolicy(self.fallback_max_ongoing),
+                             fallback_policy=FallbackPolicy(self.fallback_max_ongoing, self.fallback_queue_s),
                              fallback_tenants=self.fallback_tenants)
         settings = ShimSettings(model_dir=self.model_dir, **self.shim)
         app = create_app(settings, client=client)
+        fallback_name = None
+        if self.fallback is not None:
+            fallback_name = self.fallback_model_name or f"{settings.served_model}-fallback"
+        app.add_middleware(ServedModel, primary_name=settings.served_model, fallback_name=fallback_name)
 
         def _auth(request: Request):
             return app.state.keys.identify(request)
@@ -48,7 +57,8 @@ class ShimIngress:
         async def scale_stats(_key=Depends(_auth)):
             routers = [m.snapshot() for m in metrics_mod.LIVE]
             return {"routers": routers, "fallbacks": client.metrics.snapshot()["fallbacks"],
-                    "served": dict(client.served)}
+                    "served": dict(client.served), "retries": dict(client.retries), "ongoing_primary": client.ongoing,
+                    "primary_queue_time_s": round(client.queue_time.current(), 3)}
 
         return app
 

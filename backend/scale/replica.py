@@ -58,9 +58,18 @@ class TritonReplica:
                 item["replica"], item["model_label"] = self.replica, self.model_label
                 yield item
         except TritonLLMError as exc:
-            yield error_record(exc, self.replica, dead=not self.server.alive())
+            yield error_record(exc, self.replica, dead=await self._died(exc))
         finally:
             await agen.aclose()
+
+    async def _died(self, exc: TritonLLMError) -> bool:
+        """Whether the server is gone. A connection refused can arrive a moment before the killed
+        process is reaped, so an "unavailable" error waits up to a second for it."""
+        for _ in range(10 if exc.kind == "unavailable" else 1):
+            if not self.server.alive():
+                return True
+            await asyncio.sleep(0.1)
+        return False
 
     async def info(self) -> dict:
         """Who this replica is and where its server listens (tests, the stats route)."""

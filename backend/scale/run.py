@@ -25,8 +25,11 @@ def config_from_args(args: argparse.Namespace):
         model_dir=str(args.model), engine_options=parse_engine_options(args.engine_option),
         replicas=args.replicas, autoscale=autoscale, min_replicas=args.min_replicas or 1,
         max_replicas=args.max_replicas or args.replicas, prefix_routing=not args.default_router,
+        target_ongoing_requests=args.target_ongoing, upscale_delay_s=args.upscale_delay,
+        downscale_delay_s=args.downscale_delay,
         replica_cpus=args.replica_cpus, fallback_model_dir=args.fallback_model,
-        fallback_tenants=list(args.fallback_tenant or []), shim=shim)
+        fallback_tenants=list(args.fallback_tenant or []), fallback_max_ongoing=args.fallback_max_ongoing,
+        fallback_queue_s=args.fallback_queue_s, fallback_model_name=args.fallback_name, shim=shim)
 
 
 def serve_replicas(args: argparse.Namespace) -> int:
@@ -62,9 +65,21 @@ def add_arguments(sv: argparse.ArgumentParser) -> None:
     g.add_argument("--min-replicas", type=int, default=None, help="autoscaling lower bound")
     g.add_argument("--max-replicas", type=int, default=None,
                    help="autoscale between --min-replicas and this on ongoing requests")
+    g.add_argument("--target-ongoing", type=float, default=4.0,
+                   help="autoscaling target: ongoing requests per replica")
+    g.add_argument("--upscale-delay", type=float, default=5.0, help="seconds above target before adding a replica")
+    g.add_argument("--downscale-delay", type=float, default=30.0,
+                   help="seconds below target before removing one (it drains first)")
     g.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs per replica")
     g.add_argument("--default-router", action="store_true",
                    help="Ray's power-of-two-choices router instead of the prefix-aware one")
     g.add_argument("--fallback-model", default=None, help="lighter checkpoint served under overload/failure")
     g.add_argument("--fallback-tenant", action="append", default=None, metavar="TENANT",
-                   help="tenant whose requests may degrade to the fallback model ('*' = all), repeatable")
+                   help="tenant whose requests may degrade to the fallback model ('*' = all), repeatable; "
+                        "any request may opt in with the header 'x-allow-fallback: 1'")
+    g.add_argument("--fallback-name", default=None,
+                   help="model name fallback responses carry (default: <served model>-fallback)")
+    g.add_argument("--fallback-max-ongoing", type=float, default=8.0,
+                   help="primary ongoing requests per replica past which it is saturated")
+    g.add_argument("--fallback-queue-s", type=float, default=2.0,
+                   help="primary engine queue time (recent) past which it is saturated")

@@ -2,8 +2,10 @@
 / ``close``, as client/triton_client.py TritonLLMClient) over Ray Serve deployment handles.
 
 Per request: render + hash the prompt's leading blocks (prefix_key.py, off the event loop), decide
-primary or fallback (fallback.py; opt-in via the ``fallback`` request parameter), and stream from
-the replica Ray's router picks (router.py) through ``handle.options(stream=True)``.
+primary or fallback (fallback.py; opt-in per request by the ``x-allow-fallback`` header, served.py,
+or per key by its tenant in ``fallback_tenants``), and stream from the replica Ray's router picks
+(router.py) through ``handle.options(stream=True)``. Which deployment served is written into the
+request's ``served.SERVED`` record, which names the model in the response.
 
 Failover: a failure before the first chunk (the replica's tritonserver died, the replica actor
 died) is retried on another replica, avoiding the failed one; after the first chunk it is raised as
@@ -14,11 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from typing import AsyncIterator
 
 from backend import protocol as P
-from backend.scale.fallback import FallbackPolicy
+from backend.scale.fallback import FallbackPolicy, QueueTimeTracker
 from backend.scale.metrics import RoutingMetrics
+from backend.scale.served import SERVED, truthy
 from client.errors import (InternalError, InvalidRequestError, QueueFullError, TritonLLMError,
                            UnavailableError)
 from client.triton_client import Chunk
@@ -54,6 +58,8 @@ class ServeClient:
         self.metrics = RoutingMetrics()              # fallbacks (routing decisions: router.py)
         self.ongoing = 0                             # primary requests open from this ingress
         self.served: dict[str, str] = {}             # last few request id -> replica (tests, stats)
+        self.queue_time = QueueTimeTracker()         # the primary's recent engine queue time
+        self.retries: Counter[str] = Counter()       # failover retries before the first chunk, by cause
 
     def generate(self, prompt: str | None = None, messages: list[dict] | None = None, *,
                  request_id: str | None = None, params: dict | None = None,
@@ -68,14 +74,19 @@ class ServeClient:
         return await asyncio.to_thread(self.keyer.chain, prompt=prompt, messages=messages,
                                        tenant=params.get(self.tenant_param))
 
-    async def _handle_for(self, params: dict):
-        opted = str(params.pop(FALLBACK_PARAM, "")).lower() in ("1", "true", "yes") or \
+    def _opted_in(self, params: dict) -> bool:
+        record = SERVED.get()
+        return truthy(params.pop(FALLBACK_PARAM, "")) or bool(record and record["allow_fallback"]) or \
             "*" in self.fallback_tenants or params.get(self.tenant_param) in self.fallback_tenants
+
+    async def _handle_for(self, params: dict):
+        opted = self._opted_in(params)
         if self.fallback is None or not opted:
             return self.primary, None
         healthy = await self._healthy_primaries()
         reason = self.fallback_policy.use_fallback(opted_in=True, healthy_replicas=healthy,
-                                                   ongoing=self.ongoing, fallback_available=True)
+                                                   ongoing=self.ongoing, fallback_available=True,
+                                                   recent_queue_time_s=self.queue_time.current())
         if reason:
             self.metrics.fell_back(reason)
             return self.fallback, reason
@@ -98,6 +109,9 @@ class ServeClient:
         request = {"prompt": prompt, "messages": messages, "request_id": request_id, "params": params,
                    "stream": stream, "route": await self._route(prompt, messages, params), "avoid": []}
         primary = handle is self.primary
+        record = SERVED.get()
+        if record is not None:
+            record["label"], record["reason"] = ("primary", None) if primary else ("fallback", reason)
         self.ongoing += primary
         try:
             for attempt in range(ATTEMPTS):
@@ -107,14 +121,20 @@ class ServeClient:
                     async for item in gen:
                         if "error" in item:
                             err = rebuild_error(item["error"])
-                            if not started and item.get("replica_dead") and attempt + 1 < ATTEMPTS:
+                            # Nothing reached the client yet, and the replica is dead or could
+                            # not serve (its server went away, it is draining): another may.
+                            retry = item.get("replica_dead") or item["error"].get("kind") == "unavailable"
+                            if not started and retry and attempt + 1 < ATTEMPTS:
                                 request["avoid"].append(item["replica"])
-                                log.warning("%s: replica %s died before answering; retrying elsewhere",
-                                            request_id, item["replica"])
+                                self.retries["replica_dead" if item.get("replica_dead") else "unavailable"] += 1
+                                log.warning("%s: replica %s failed before answering (%s); retrying "
+                                            "elsewhere", request_id, item["replica"], err)
                                 break
                             raise err
                         started = True
                         self._remember(request_id, item.get("replica"))
+                        if primary and item.get("metrics"):
+                            self.queue_time.observe(float(item["metrics"].get("queue_time") or 0.0))
                         yield Chunk(**{k: v for k, v in item.items() if k in _CHUNK_FIELDS})
                     else:
                         return
@@ -126,6 +146,7 @@ class ServeClient:
                     if started or attempt + 1 == ATTEMPTS:
                         raise UnavailableError(f"the replica serving {request_id} failed: "
                                                f"{type(exc).__name__}") from None
+                    self.retries["replica_error"] += 1
                     log.warning("%s: replica failed before answering (%s); retrying", request_id, exc)
                     await asyncio.sleep(0.2 * (attempt + 1))
                 finally:

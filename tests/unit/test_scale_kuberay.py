@@ -39,7 +39,9 @@ def test_one_engine_per_gpu_and_graceful_termination():
     (c,) = pod["containers"]
     assert c["resources"]["requests"]["nvidia.com/gpu"] == 1 == args["replica_gpus"]
     assert workers["rayStartParams"]["num-gpus"] == "1"
-    assert workers["maxReplicas"] >= args["max_replicas"]        # a pod for every replica
+    engines = args["max_replicas"] + (args.get("fallback_replicas", 1) if args.get("fallback_model_dir") else 0)
+    assert workers["maxReplicas"] >= engines                     # a pod (GPU) for every replica
+    assert workers["minReplicas"] >= engines - args["max_replicas"] + args["min_replicas"]
     assert pod["terminationGracePeriodSeconds"] > args["graceful_shutdown_s"]
     images = {c["image"]} | {x["image"] for x in
                              doc["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"]}
