@@ -5,6 +5,9 @@ Everything is cached under ``build/peers/`` (never part of ``make test``)::
     build/peers/llama_cpp_python-<ver>/vendor/llama.cpp   the source, from the llama-cpp-python sdist
     build/peers/llama-build/bin/llama-server              Release build of the server target only
     build/peers/gguf/<model>-<f32|bf16>.gguf              converted checkpoints
+    build/peers/llama-build/bin/llama-quantize            the quantizer (built on first quantized run)
+    build/peers/gguf/<model>-<q8_0|q4_0>.gguf             quantized from the f32 GGUF
+    build/peers/gguf/<model>-<q8_0|q4_0>-ours/            that file imported --keep-quantized (ours)
 
 Why the sdist: PyPI is the one source registry reachable here, and llama-cpp-python vendors a
 whole llama.cpp tree (server, ggml CPU backend, ``convert_hf_to_gguf.py`` and its ``gguf-py``).
@@ -34,6 +37,9 @@ LLAMA_CPP_PYTHON = "0.3.36"
 PEERS = ROOT / "build" / "peers"
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 OUTTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+# Quantized peer runs: llama-quantize's type name, and our engine's method for the same bits.
+QUANT_TYPES = {"q8_0": "Q8_0", "q4_0": "Q4_0"}
+QUANT_METHODS = {"q8_0": "int8", "q4_0": "int4"}
 
 
 def source_dir(version: str = LLAMA_CPP_PYTHON) -> pathlib.Path:
@@ -52,8 +58,12 @@ def cmake_configure_cmd(src: pathlib.Path, build: pathlib.Path) -> list[str]:
             "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DGGML_NATIVE=ON"]
 
 
-def cmake_build_cmd(build: pathlib.Path, jobs: int) -> list[str]:
-    return ["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)]
+def cmake_build_cmd(build: pathlib.Path, jobs: int, target: str = "llama-server") -> list[str]:
+    return ["cmake", "--build", str(build), "--target", target, "-j", str(jobs)]
+
+
+def quantize_binary() -> pathlib.Path:
+    return PEERS / "llama-build" / "bin" / "llama-quantize"
 
 
 def ensure_toolchain() -> None:
@@ -86,6 +96,19 @@ def ensure_llama_server(version: str = LLAMA_CPP_PYTHON, jobs: int | None = None
     subprocess.run(cmake_configure_cmd(src, build), check=True, stdout=subprocess.DEVNULL)
     subprocess.run(cmake_build_cmd(build, jobs or os.cpu_count() or 2), check=True, stdout=subprocess.DEVNULL)
     return binary
+
+
+def ensure_llama_quantize(jobs: int | None = None) -> pathlib.Path | None:
+    """The cached ``llama-quantize``, built on first use in the server's build tree (a minute once
+    the server is built); None when it cannot be built (Q8_0 then comes from the converter)."""
+    binary = quantize_binary()
+    if binary.exists():
+        return binary
+    ensure_llama_server()
+    print("building llama-quantize (once)", file=sys.stderr, flush=True)
+    proc = subprocess.run(cmake_build_cmd(PEERS / "llama-build", jobs or os.cpu_count() or 2, "llama-quantize"),
+                          stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    return binary if proc.returncode == 0 and binary.exists() else None
 
 
 # --- GGUF conversion ------------------------------------------------------------------------------
@@ -148,6 +171,57 @@ def convert_to_gguf(model_dir: pathlib.Path, dtype: str = "float32") -> pathlib.
         raise RuntimeError(f"GGUF conversion of {model_dir} failed; see {log}")
     tmp.rename(out)
     shutil.rmtree(stage, ignore_errors=True)
+    return out
+
+
+def quantize_cmd(binary: pathlib.Path, src: pathlib.Path, out: pathlib.Path, qtype: str, threads: int) -> list[str]:
+    """llama-quantize's default recipe for the type (what a llama.cpp user's Q8_0 / Q4_0 file is:
+    Q4_0 keeps the output / tied embedding matrix in a K-quant)."""
+    return [str(binary), str(src), str(out), QUANT_TYPES[qtype], str(threads)]
+
+
+def quantize_gguf(model_dir: pathlib.Path, qtype: str) -> pathlib.Path:
+    """``build/peers/gguf/<name>-<qtype>.gguf``: the f32 GGUF quantized by llama-quantize (Q8_0
+    falls back to ``convert_hf_to_gguf.py --outtype q8_0`` when the quantizer cannot be built)."""
+    if qtype not in QUANT_TYPES:
+        raise ValueError(f"quantized peer type must be one of {', '.join(QUANT_TYPES)} (got {qtype!r})")
+    model_dir = pathlib.Path(model_dir).resolve()
+    src = convert_to_gguf(model_dir, "float32")
+    out = PEERS / "gguf" / f"{model_dir.name}-{qtype}.gguf"
+    if out.exists() and out.stat().st_mtime >= src.stat().st_mtime:
+        return out
+    binary = ensure_llama_quantize()
+    tmp, log = out.with_suffix(".tmp"), out.with_suffix(".log")
+    if binary is not None:
+        cmd = quantize_cmd(binary, src, tmp, qtype, os.cpu_count() or 2)
+    elif qtype == "q8_0":
+        stage = PEERS / "gguf" / f".stage-{model_dir.name}"
+        shutil.rmtree(stage, ignore_errors=True)
+        stage.mkdir(parents=True)
+        for f in model_dir.iterdir():
+            if f.name != "config.json":
+                (stage / f.name).symlink_to(f)
+        config = json.loads((model_dir / "config.json").read_text())
+        (stage / "config.json").write_text(json.dumps(staged_config(config)))
+        cmd = [*convert_cmd(source_dir(), stage, tmp, "float32")[:-1], "q8_0"]
+    else:
+        raise RuntimeError(f"llama-quantize could not be built (see {PEERS / 'llama-build'}); {qtype} needs it")
+    with open(log, "wb") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"quantizing {src} to {qtype} failed; see {log}")
+    tmp.rename(out)
+    return out
+
+
+def import_ours(gguf: pathlib.Path) -> pathlib.Path:
+    """The same quantized file as our checkpoint (``import-gguf --keep-quantized``), cached beside it."""
+    from backend.model.gguf_import import import_gguf
+
+    out = gguf.with_name(gguf.stem + "-ours")
+    if (out / "config.json").exists() and (out / "config.json").stat().st_mtime >= gguf.stat().st_mtime:
+        return out
+    import_gguf(gguf, out, progress=None, keep_quantized=True)
     return out
 
 

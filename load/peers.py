@@ -10,6 +10,12 @@ continuous batching, its KV cache as ``--peer-cache-type`` says (default: its ow
 ``same`` = the weights' dtype, which made it much slower at 16 streams here: docs/benchmarks.md); ours is the launcher's stack through the OpenAI shim with ``load/stack.py``'s
 options for the preset and ``dtype`` set to the run's.
 
+Quantized (``--dtypes q8_0 q4_0``): llama.cpp serves the f32 GGUF quantized by its own
+``llama-quantize`` (default recipe); ours serves the same file imported ``--keep-quantized``
+(``--ours-quant gguf``: the same weights on both sides, int8 / int4 with group 32) or our own
+``quantization=int8`` (per channel) / ``int4`` of the float checkpoint (``--ours-quant option``).
+Activations and KV are fp32 on our side, llama.cpp's KV is its default (f16).
+
 Output tok/s counts requested (= generated, with ignore_eos) tokens over the point's wall time.
 """
 from __future__ import annotations
@@ -58,7 +64,8 @@ def machine() -> dict:
 
 async def run_peers(args, bench_point) -> dict:
     """{"machine": {...}, model: {dtype: {"llama.cpp" | "ours": {streams: bench_point result}}}}"""
-    from load.llamacpp import LlamaServer, convert_to_gguf, ensure_llama_server
+    from load.llamacpp import (QUANT_METHODS, QUANT_TYPES, LlamaServer, convert_to_gguf, ensure_llama_server,
+                               import_ours, quantize_gguf)
 
     if PEER in args.contenders:
         ensure_llama_server()
@@ -69,19 +76,40 @@ async def run_peers(args, bench_point) -> dict:
         out[name] = {}
         for dtype in args.dtypes:
             res = out[name][dtype] = {}
+            quant = dtype in QUANT_TYPES
+            ours_dir, opts = model_dir, {**engine_options(model, args.engine_option), "dtype": dtype}
+            if quant:
+                gguf = quantize_gguf(model_dir, dtype)
+                opts["dtype"] = "float32"
+                if getattr(args, "ours_quant", "gguf") == "gguf":
+                    ours_dir = import_ours(gguf)
+                else:
+                    opts["quantization"] = QUANT_METHODS[dtype]
+                res["weights"] = quant_weights(gguf, ours_dir, opts)
             if PEER in args.contenders:
-                gguf = convert_to_gguf(model_dir, dtype)
-                with LlamaServer(gguf, parallel=max(args.streams), dtype=dtype, threads=args.peer_threads,
-                                 cache_type=args.peer_cache_type) as srv:
+                gguf = gguf if quant else convert_to_gguf(model_dir, dtype)
+                with LlamaServer(gguf, parallel=max(args.streams), dtype="float32" if quant else dtype,
+                                 threads=args.peer_threads, cache_type=args.peer_cache_type) as srv:
                     res[PEER] = await _points(CompletionsBackend(srv.url, label=PEER), name, dtype, args.streams,
                                               args.scale, bench_point)
             if OURS in args.contenders:
-                opts = {**engine_options(model, args.engine_option), "dtype": dtype}
-                with Stack(model_dir, opts, shim=True) as stack:
+                with Stack(ours_dir, opts, shim=True) as stack:
                     be = CompletionsBackend(stack.shim_url, label=OURS, metrics_url=stack.metrics_url)
                     res[OURS] = await _points(be, name, dtype, args.streams, args.scale, bench_point)
     out["machine"]["loadavg_end"] = os.getloadavg()
     return out
+
+
+def quant_weights(gguf: pathlib.Path, ours_dir: pathlib.Path, opts: dict) -> dict:
+    """What each side holds: llama.cpp's file size (mmapped as it is) and our resident weight bytes."""
+    import torch
+
+    from backend.quant.apply import planned_summary
+
+    s = planned_summary(ours_dir, dtype=torch.float32, quantization=opts.get("quantization", "none"),
+                        group_size=int(opts.get("quant_group_size", 32)))
+    return {"gguf_file_bytes": gguf.stat().st_size, "ours_weight_bytes": s["weight_bytes"],
+            "ours_method": s["method"], "ours_group_size": s["group_size"], "ours_dir": str(ours_dir)}
 
 
 def _v(summary: dict | None, key: str, spec: str) -> str:
@@ -97,7 +125,7 @@ def peers_table(out: dict) -> str:
         if model == "machine":
             continue
         for dtype, res in by_dtype.items():
-            for s in res.get(PEER) or res[OURS]:
+            for s in res.get(PEER) or res[OURS]:           # (res["weights"]: quantized runs only)
                 p, o = (res[k][s]["summary"] if k in res else None for k in (PEER, OURS))
                 ratio = f"{o['output_throughput'] / p['output_throughput']:.2f}x" if p and o else "–"
                 rows.append(f"| {model} | {dtype} | {s} | {_v(p, 'output_throughput', '.0f')} "

@@ -307,10 +307,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--users", type=int, default=16, help="locust: concurrent users")
     p.add_argument("--seconds", type=int, default=60, help="locust: run time")
     p.add_argument("--streams", type=int, nargs="+", default=[16, 1], help="peers: concurrent streams")
-    p.add_argument("--dtypes", nargs="+", default=["float32"], help="peers: float32 and/or bfloat16")
+    p.add_argument("--dtypes", nargs="+", default=["float32"],
+                   help="peers: float32, bfloat16, q8_0, q4_0 (quantized: load/peers.py)")
     p.add_argument("--contenders", nargs="+", default=["llama.cpp", "ours"], choices=["llama.cpp", "ours"],
                    help="peers: which servers run")
     p.add_argument("--peer-threads", type=int, default=None, help="peers: llama.cpp -t (default: all cores)")
+    p.add_argument("--ours-quant", choices=["gguf", "option"], default="gguf",
+                   help="peers --dtypes q8_0/q4_0: ours serves the same quantized GGUF imported --keep-quantized "
+                        "(gguf), or quantization=int8/int4 of the float checkpoint (option)")
     p.add_argument("--peer-cache-type", default=None,
                    help="peers: llama.cpp -ctk/-ctv (default: its own, f16; 'same' = the weights' dtype)")
     p.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE")

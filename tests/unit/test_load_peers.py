@@ -9,8 +9,9 @@ import statistics
 import pytest
 
 from load.backends import DONE, completion_body, parse_completion_line
-from load.llamacpp import cmake_build_cmd, cmake_configure_cmd, convert_cmd, server_cmd, staged_config
-from load.peers import OURS, PEER, peer_spec, peers_table
+from load.llamacpp import (QUANT_METHODS, QUANT_TYPES, cmake_build_cmd, cmake_configure_cmd, convert_cmd, quantize_cmd,
+                           quantize_gguf, server_cmd, staged_config)
+from load.peers import OURS, PEER, peer_spec, peers_table, quant_weights
 from load.workloads import make_workload
 
 
@@ -20,6 +21,25 @@ def test_cmake_builds_only_the_server_without_network_features():
     for flag in ("-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF"):
         assert flag in cfg
     assert cmake_build_cmd(pathlib.Path("/b"), 2) == ["cmake", "--build", "/b", "--target", "llama-server", "-j", "2"]
+
+
+def test_quantize_cmd_and_types():
+    assert cmake_build_cmd(pathlib.Path("/b"), 2, "llama-quantize")[4] == "llama-quantize"
+    cmd = quantize_cmd(pathlib.Path("/bin/llama-quantize"), pathlib.Path("f32.gguf"), pathlib.Path("o.gguf"), "q4_0", 2)
+    assert cmd == ["/bin/llama-quantize", "f32.gguf", "o.gguf", "Q4_0", "2"]
+    assert QUANT_TYPES == {"q8_0": "Q8_0", "q4_0": "Q4_0"} and QUANT_METHODS == {"q8_0": "int8", "q4_0": "int4"}
+    with pytest.raises(ValueError, match="q8_0"):
+        quantize_gguf(pathlib.Path("/nowhere"), "q5_k")          # refused before converting anything
+
+
+def test_quant_weights_reports_both_sides(tmp_path):
+    from tests.conftest import model_dir
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"x" * 1000)
+    w8 = quant_weights(gguf, model_dir("tiny"), {"quantization": "int8"})
+    assert w8["gguf_file_bytes"] == 1000 and w8["ours_method"] == "int8"
+    assert w8["ours_weight_bytes"] < quant_weights(gguf, model_dir("tiny"), {})["ours_weight_bytes"] / 2
 
 
 def test_server_cmd_splits_the_context_over_slots():
