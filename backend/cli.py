@@ -45,6 +45,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.model is None:
         args.model = str(ensure_default_model())
     args.engine_option = serve_engine_options(args.engine_option)
+    if getattr(args, "disagg", False):                # prefill/decode disaggregation (docs/disaggregation.md)
+        from backend.serving.disagg_serve import serve_disagg
+        return serve_disagg(args)
     if getattr(args, "replicas", None):               # scale-out: Ray Serve (backend/scale)
         from backend.scale.run import serve_replicas
         return serve_replicas(args)
@@ -103,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--workdir", default=None, help="where the generated model repository and logs go")
     from backend.scale.run import add_arguments as add_scale_arguments
     add_scale_arguments(sv)
+    from backend.serving.disagg_serve import add_arguments as add_disagg_arguments
+    add_disagg_arguments(sv)
     sv.set_defaults(func=_cmd_serve)
 
     ch = sub.add_parser("chat", help="terminal chat that streams from the ensemble")

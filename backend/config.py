@@ -41,6 +41,7 @@ class EngineArgs:
     kv_connector: str = "shm"                     # shm (one host) | tcp
     kv_connector_host: str = "127.0.0.1"          # tcp: where the prefill side serves staged KV
     kv_connector_port: int = 0                    # tcp: 0 = any free port
+    kv_staged_ttl_s: float = 60.0                 # prefill: staged KV nobody fetched is dropped after this
 
     def __post_init__(self) -> None:
         from backend.spec.config import SpeculativeConfig

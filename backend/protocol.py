@@ -127,6 +127,13 @@ REQUEST_TIMEOUT = "request_timeout"
 ABORT_REQUEST_ID = "abort_request_id"   # a control request to the engine: stop that request
                                         # (only a request of the same tenant)
 CACHE_SALT = "cache_salt"           # honoured only with the engine option allow_client_salt
+# Prefill/decode disaggregation (docs/disaggregation.md): a prefill engine ends a request it hands
+# over with finish_reason FINISH_HANDOVER and no tokens; the record (backend/disagg/handover.py, JSON
+# text) rides under key HANDOVER in that final response's METRICS JSON, which every ensemble step
+# passes through unchanged (PASS_THROUGH). The front sends the continuation -- the same request plus
+# parameter HANDOVER = the record -- to a decode engine, which streams from the first token.
+HANDOVER = "handover"
+FINISH_HANDOVER = "handover"
 TEST_FAULT = "test_fault"           # tests only: engine option test_faults + TRITON_LLM_TEST_FAULTS=1
 MAX_TENANT_CHARS = 256
 # Structured outputs (backend/structured/spec.py): JSON values as JSON text.

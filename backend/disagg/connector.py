@@ -39,6 +39,7 @@ class TransferStats:
     skipped_blocks: int = 0          # staged blocks the decode side already had (prefix hits)
     failed: int = 0
     released: int = 0
+    expired: int = 0                 # staged transfers dropped by the TTL (never fetched nor released)
     stage_seconds: float = 0.0
     fetch_seconds: float = 0.0
 
@@ -91,6 +92,39 @@ class KVConnector(ABC):
         self._count(fetched=1, fetched_bytes=data.numel() * data.element_size(), skipped_blocks=first_block,
                     fetch_seconds=time.perf_counter() - t0)
         return data
+
+    def expire(self, ttl: float) -> int:
+        """Drop what this side staged more than ``ttl`` seconds ago and nobody fetched or
+        released (a decode side that never came back); returns how many were dropped."""
+        return 0
+
+    def num_staged(self) -> int:
+        """Transfers this side staged that may still be waiting (an upper bound for shm: a
+        segment another process fetched is only noticed by the next ``expire``)."""
+        return 0
+
+    def start_reaper(self, ttl: float, interval: float | None = None) -> None:
+        """A daemon thread that calls ``expire(ttl)`` every ``interval`` (default ttl / 4, at
+        most 1 s) until ``close()``; ``ttl <= 0`` disables it."""
+        if ttl <= 0 or getattr(self, "_reaper", None) is not None:
+            return
+        self._reaper_stop = threading.Event()
+        every = interval if interval is not None else min(1.0, ttl / 4)
+
+        def run() -> None:
+            while not self._reaper_stop.wait(every):
+                try:
+                    self.expire(ttl)
+                except Exception:            # noqa: BLE001 - the reaper must survive a bad segment
+                    pass
+
+        self._reaper = threading.Thread(target=run, name="kv-staged-ttl", daemon=True)
+        self._reaper.start()
+
+    def stop_reaper(self) -> None:
+        if getattr(self, "_reaper", None) is not None:
+            self._reaper_stop.set()
+            self._reaper = None
 
     def stats(self) -> TransferStats:
         with self._lock:

@@ -31,6 +31,9 @@ class PrefillRole:
         self.kept = 0                         # requests this engine finished itself
         self.staging_failures = 0
         self.started: dict[str, float] = {}   # request id -> perf_counter() when its hand-over began
+        # request id -> locator of what it staged, so an abort that reaches this engine after the
+        # hand-over still releases the staged KV (entries go with release(), or the TTL's forget())
+        self.staged: dict[str, tuple[dict, float]] = {}
         engine.handoff = self
 
     @staticmethod
@@ -73,10 +76,30 @@ class PrefillRole:
             deadline_in=None if req.deadline is None else req.deadline - time.monotonic(),
             queue_time=req.queue_time, num_cached_tokens=req.num_cached_tokens,
             first_logprob=None if lp is None else [lp.token_id, lp.logprob, [list(t) for t in lp.top]],
-            generator_state=generator_state(seq.generator))
+            generator_state=generator_state(seq.generator),
+            extra={"staged_at": time.time()})      # wall clock: the decode side's hand-over latency
+        if locator is not None:
+            self.staged[req.request_id] = (locator, time.monotonic())
         eng.scheduler.finish_request(req, "handover", None)   # blocks free on return; no final delta
         self.handed_over += 1
         return rec
+
+    def release(self, request_id: str) -> bool:
+        """An abort of a request already handed over: drop its staged KV (harmless if the decode
+        side fetched it already). True if this engine had handed it over."""
+        entry = self.staged.pop(request_id, None)
+        if entry is None:
+            return False
+        self.connector.release(entry[0])
+        return True
+
+    def forget(self, ttl: float) -> None:
+        """Drop the bookkeeping of hand-overs staged more than ``ttl`` seconds ago (the
+        connector's TTL has dropped their KV by then, or the decode side fetched it)."""
+        cut = time.monotonic() - ttl
+        for rid, (_, t) in list(self.staged.items()):
+            if t < cut:
+                self.staged.pop(rid, None)
 
     def take(self) -> list[Handover]:
         out, self.outbox = self.outbox, []

@@ -12,6 +12,8 @@ a segment on attach and unregisters it on unlink, so the two stay balanced in ei
 """
 from __future__ import annotations
 
+import os
+import time
 import uuid
 from multiprocessing import shared_memory
 
@@ -27,7 +29,8 @@ class SharedMemoryConnector(KVConnector):
     def __init__(self, prefix: str = "llmkv_"):
         super().__init__()
         self.prefix = prefix
-        self._owned: set[str] = set()        # staged by this process and not yet fetched/released
+        # staged by this process and not known fetched/released -> time.monotonic() of staging
+        self._owned: dict[str, float] = {}
 
     def _stage(self, transfer_id: str, blocks: torch.Tensor) -> dict:
         nbytes = blocks.numel() * blocks.element_size()
@@ -43,11 +46,17 @@ class SharedMemoryConnector(KVConnector):
             shm.unlink()
             raise
         shm.close()                          # the segment stays until unlinked
-        self._owned.add(name)
+        self._owned[name] = time.monotonic()
         return {"name": name, "transfer_id": transfer_id}
 
+    def _check_name(self, name) -> str:
+        """Only our own segments: a bad record must not reach Triton's or anyone else's."""
+        if not (isinstance(name, str) and name.startswith(self.prefix) and name[len(self.prefix):].isalnum()):
+            raise TransferError(f"not a KV transfer segment name: {name!r}")
+        return name
+
     def _fetch(self, locator: dict, first_block: int, count: int) -> torch.Tensor:
-        name = locator["name"]
+        name = self._check_name(locator["name"])
         try:
             shm = shared_memory.SharedMemory(name=name)
         except FileNotFoundError:
@@ -68,24 +77,47 @@ class SharedMemoryConnector(KVConnector):
         finally:
             shm.close()
             shm.unlink()                      # a transfer is read once
-            self._owned.discard(name)
+            self._owned.pop(name, None)
 
     def release(self, locator: dict) -> None:
         if locator.get("kind") == self.kind and "name" in locator:
-            self._unlink(locator["name"], count=True)
+            try:
+                name = self._check_name(locator["name"])
+            except TransferError:
+                return
+            if self._unlink(name):
+                self._count(released=1)
+
+    def expire(self, ttl: float) -> int:
+        now, n = time.monotonic(), 0
+        for name, t in list(self._owned.items()):
+            if now - t >= ttl and self._unlink(name):
+                n += 1
+        if n:
+            self._count(expired=n)
+        return n
+
+    def num_staged(self) -> int:
+        if os.path.isdir("/dev/shm"):             # drop the ones another process fetched meanwhile
+            for name in list(self._owned):
+                if not os.path.exists(f"/dev/shm/{name}"):
+                    self._owned.pop(name, None)
+        return len(self._owned)
 
     def close(self) -> None:
+        self.stop_reaper()
         for name in list(self._owned):
-            self._unlink(name, count=True)
+            if self._unlink(name):
+                self._count(released=1)
 
-    def _unlink(self, name: str, count: bool = False) -> None:
+    def _unlink(self, name: str) -> bool:
+        """True if the segment was still there (and is gone now)."""
         try:
             shm = shared_memory.SharedMemory(name=name)
         except FileNotFoundError:
-            self._owned.discard(name)
-            return
+            self._owned.pop(name, None)
+            return False
         shm.close()
         shm.unlink()                          # also unregisters it from this process's tracker
-        self._owned.discard(name)
-        if count:
-            self._count(released=1)
+        self._owned.pop(name, None)
+        return True

@@ -24,6 +24,7 @@ import json
 import socket
 import struct
 import threading
+import time
 
 import torch
 
@@ -71,6 +72,7 @@ class TcpConnector(KVConnector):
         self.max_staged_bytes = max_staged_bytes
         self.fail_after_bytes = fail_after_bytes
         self._staged: dict[str, torch.Tensor] = {}
+        self._staged_at: dict[str, float] = {}     # transfer id -> time.monotonic() of staging (TTL)
         self._staged_bytes = 0
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
@@ -92,13 +94,18 @@ class TcpConnector(KVConnector):
         with self._lock:
             if self._staged_bytes + nbytes > self.max_staged_bytes:
                 raise TransferError(f"staging {nbytes} bytes would exceed max_staged_bytes={self.max_staged_bytes}")
+            old = self._staged.pop(transfer_id, None)
+            if old is not None:                       # the same id staged again: replace it
+                self._staged_bytes -= old.numel() * old.element_size()
             self._staged[transfer_id] = blocks.clone()
+            self._staged_at[transfer_id] = time.monotonic()
             self._staged_bytes += nbytes
         return {"host": self.host, "port": self.port, "id": transfer_id}
 
     def _pop(self, transfer_id: str) -> torch.Tensor | None:
         with self._lock:
             t = self._staged.pop(transfer_id, None)
+            self._staged_at.pop(transfer_id, None)
             if t is not None:
                 self._staged_bytes -= t.numel() * t.element_size()
             return t
@@ -178,7 +185,21 @@ class TcpConnector(KVConnector):
         except (OSError, TransferError):
             pass                                          # the server is gone: nothing staged there either
 
+    def expire(self, ttl: float) -> int:
+        now = time.monotonic()
+        with self._lock:
+            old = [tid for tid, t in self._staged_at.items() if now - t >= ttl]
+        n = sum(self._pop(tid) is not None for tid in old)
+        if n:
+            self._count(expired=n)
+        return n
+
+    def num_staged(self) -> int:
+        with self._lock:
+            return len(self._staged)
+
     def close(self) -> None:
+        self.stop_reaper()
         if self._sock is not None:
             try:
                 self._sock.shutdown(socket.SHUT_RDWR)     # wakes the blocked accept()
@@ -188,4 +209,5 @@ class TcpConnector(KVConnector):
             self._sock = None
         with self._lock:
             self._staged.clear()
+            self._staged_at.clear()
             self._staged_bytes = 0

@@ -81,6 +81,9 @@ class EngineService:
             self.responses.stop()
             if self.metrics is not None:
                 self.metrics.stop()
+            close_role = getattr(getattr(self.loop, "engine", None), "close_role", None)  # disagg: staged KV
+            if close_role is not None:
+                close_role()
 
 
 def build_engine_service(model_dir: str, params: dict[str, str], *, metrics_factory: Any = None,
@@ -95,24 +98,29 @@ def build_engine_service(model_dir: str, params: dict[str, str], *, metrics_fact
 
     known = {f.name for f in fields(EngineArgs)}
     args = EngineArgs.from_dict({k: v for k, v in params.items() if k in known})
-    if args.role != "unified":
-        # Prefill/decode roles run in-process today (backend/disagg, docs/disaggregation.md); a
-        # Triton engine in such a role would need a peer it cannot have, so refuse at load.
-        raise ValueError(f"role={args.role!r} is not served through Triton yet; use role=unified")
     from backend.engine.fairness import TenantFairness
 
     engine = LLMEngine(model_dir, args)
+    loop_cls = EngineLoop
+    if args.role != "unified":           # prefill / decode (backend/serving/disagg_engine.py)
+        from backend.serving.disagg_engine import build_role
+
+        engine, loop_cls = build_role(engine, args)
     fairness = TenantFairness(max_running_per_tenant=args.max_running_per_tenant, aging_s=args.priority_aging_s)
     max_open = 0
     if args.max_running_per_tenant and args.max_waiting_per_tenant:
         max_open = args.max_running_per_tenant + args.max_waiting_per_tenant
     elif args.max_waiting_per_tenant:
         max_open = args.max_num_seqs + args.max_waiting_per_tenant
-    loop = EngineLoop(engine, fairness=fairness if fairness.active else None, max_open_per_tenant=max_open)
+    loop = loop_cls(engine, fairness=fairness if fairness.active else None, max_open_per_tenant=max_open)
     metrics = None
     if metrics_factory is not None:
         metrics = ServingMetrics(metrics_factory, stats=loop.stats, healthy=lambda: loop.healthy,
                                  labels=labels)
+        if args.role != "unified":
+            from backend.serving.disagg_engine import RoleMetrics
+
+            metrics.role_metrics = RoleMetrics(metrics_factory, engine, labels)
     service = EngineService(loop, max_model_len=engine.max_model_len, metrics=metrics,
                             stream_interval=args.stream_interval, drain_timeout=args.shutdown_drain_s,
                             allow_client_salt=args.allow_client_salt, test_faults=args.test_faults)

@@ -69,6 +69,12 @@ class Intake:
             raise unavailable("the server is shutting down")
         settings = request_settings(params)
         fit_context(settings, len(inc.input_ids), self.max_model_len, "input_ids")
+        extra = {}
+        record = params.get(P.HANDOVER)         # a continuation (prefill/decode disaggregation)
+        if record not in (None, ""):
+            if not getattr(self.loop, "accepts_handover", False):
+                raise invalid_request(P.HANDOVER, "this engine takes no hand-overs (it is not role=decode)")
+            extra["handover"] = str(record)
         h.remaining, h.stream = settings.sampling.n, settings.stream
         post = self.responses.post
         if self.tombstones.take(h.rid):     # its abort overtook it: answer abort without running
@@ -82,7 +88,7 @@ class Intake:
         post(Opened(h))                     # before the engine can produce a delta for it
         self.loop.submit(h.rid, inc.input_ids, settings.sampling, sink=lambda d: post(DeltaArrived(h, d)),
                          stream=settings.stream, salt=cache_salt(settings, self.allow_client_salt),
-                         priority=settings.priority, deadline=deadline, tenant=settings.tenant)
+                         priority=settings.priority, deadline=deadline, tenant=settings.tenant, **extra)
 
     def _control(self, target: str, responder: Any, now: float, tenant: str) -> None:
         """An abort stops only a request of the caller's own tenant (the ``tenant`` parameter)."""

@@ -29,9 +29,12 @@ def logprobs_json(delta: StepDelta) -> str:
 def engine_outputs(delta: StepDelta, *, ttft: float | None = None) -> dict[str, np.ndarray]:
     metrics = ""
     if delta.finished:
-        metrics = json.dumps({"queue_time": round(delta.queue_time, 6),
-                              "ttft": None if ttft is None else round(ttft, 6),
-                              "num_preemptions": delta.num_preemptions})
+        m = {"queue_time": round(delta.queue_time, 6), "ttft": None if ttft is None else round(ttft, 6),
+             "num_preemptions": delta.num_preemptions}
+        record = getattr(delta, "handover", None)       # prefill role: backend/serving/disagg_engine.py
+        if record is not None:
+            m[P.HANDOVER] = record
+        metrics = json.dumps(m)
     return {
         P.OUTPUT_IDS: int_array(delta.new_token_ids),
         P.WINDOW_IDS: int_array(delta.window_ids),

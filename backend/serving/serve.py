@@ -32,8 +32,10 @@ def _client_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "") else host
 
 
-def start_shim(args: argparse.Namespace, server: TritonServer, workdir: pathlib.Path) -> subprocess.Popen | None:
-    """Start the OpenAI shim (client/shim) if it exists; None (with a note) otherwise."""
+def start_shim(args: argparse.Namespace, server: TritonServer, workdir: pathlib.Path,
+               extra: list[str] | None = None) -> subprocess.Popen | None:
+    """Start the OpenAI shim (client/shim) if it exists; None (with a note) otherwise. ``extra``:
+    more shim arguments (``--disagg``: the decode server's address)."""
     if not args.shim_port:
         return None
     if not (ROOT / "client" / "shim" / "__main__.py").exists():
@@ -44,6 +46,7 @@ def start_shim(args: argparse.Namespace, server: TritonServer, workdir: pathlib.
            "--chat-db", str(workdir / "chat.sqlite")]      # chats outlive a restart (docs/chat.md)
     if args.api_keys:
         cmd += ["--api-keys", args.api_keys]
+    cmd += extra or []
     log = workdir / "shim.log"
     proc = spawn(cmd, log, cwd=ROOT)
     if not wait_port(_client_host(args.host), args.shim_port, proc, timeout=60):

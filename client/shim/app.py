@@ -35,6 +35,11 @@ def create_app(settings: ShimSettings | None = None, *, client=None) -> FastAPI:
     if not settings.model_name:                 # the chat page reads settings.model_name
         settings = dataclasses.replace(settings, model_name=settings.served_model)
     keys = KeyStore(load_keys(settings))
+    if client is None and settings.triton_grpc_decode:   # prefill/decode disaggregation
+        from client.disagg_client import DisaggLLMClient
+
+        client = DisaggLLMClient(settings.triton_grpc, settings.triton_grpc_decode, ensemble=settings.ensemble,
+                                 engine=settings.engine)
     if client is None:
         from client.triton_client import TritonLLMClient
 

@@ -23,6 +23,7 @@ DEFAULT_CHAT_DB = ROOT / "build" / "serve" / "chat.sqlite"
 @dataclass
 class ShimSettings:
     triton_grpc: str = "127.0.0.1:8001"
+    triton_grpc_decode: str | None = None  # set: disaggregated (triton_grpc = prefill server; client/disagg_client.py)
     host: str = "127.0.0.1"
     port: int = 9000
     model_dir: str | None = None
@@ -121,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m client.shim",
                                 description="OpenAI-compatible HTTP front end for the Triton `llm` ensemble")
     p.add_argument("--triton-grpc", default="127.0.0.1:8001", help="Triton gRPC address HOST:PORT")
+    p.add_argument("--triton-grpc-decode", default=None,
+                   help="disaggregated serving: the decode server's gRPC HOST:PORT (--triton-grpc is "
+                        "then the prefill server; docs/disaggregation.md)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=9000)
     p.add_argument("--api-keys", default=None, help=f"file of `KEY[:TENANT] [priority=P] [max_concurrent=N]` lines (also env {KEYS_ENV})")
@@ -150,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def settings_from_args(args: argparse.Namespace) -> ShimSettings:
-    return ShimSettings(triton_grpc=args.triton_grpc, host=args.host, port=args.port,
+    return ShimSettings(triton_grpc=args.triton_grpc, triton_grpc_decode=args.triton_grpc_decode, host=args.host, port=args.port,
                         model_dir=args.model_dir, model_name=args.model_name,
                         api_keys_file=args.api_keys, allow_shared_prefix=args.allow_shared_prefix,
                         max_model_len=args.max_model_len, chat_db_path=args.chat_db,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -107,3 +108,34 @@ def test_handover_record_round_trip_and_checks():
     assert "vocabulary" in back.check(**{**ok, "vocab_size": 5})
     with pytest.raises(ValueError, match="unknown fields"):
         Handover.from_json(json.dumps({**json.loads(rec.to_json()), "evil": 1}))
+
+
+@pytest.mark.parametrize("kind", ["shm", "tcp"])
+def test_staged_transfers_expire_after_the_ttl(kind):
+    conn = make(kind)
+    try:
+        old = conn.stage("old", torch.ones(SHAPE))
+        assert conn.expire(ttl=60.0) == 0 and conn.num_staged() == 1      # young: kept
+        conn.start_reaper(ttl=0.2, interval=0.05)
+        deadline = time.monotonic() + 5
+        while conn.num_staged() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert conn.num_staged() == 0 and conn.stats().expired == 1
+        with pytest.raises(TransferError):
+            conn.fetch(old, 0, 1)                   # gone: the decode side recomputes
+        conn.stop_reaper()
+        fresh = conn.stage("fresh", torch.full(SHAPE, 2.0))
+        assert conn.expire(ttl=60.0) == 0                                   # only the old ones go
+        assert torch.equal(make(kind).fetch(fresh, 0, 5), torch.full(SHAPE, 2.0))
+    finally:
+        conn.close()
+
+
+def test_shm_refuses_foreign_segment_names():
+    """A record's locator can only name our own transfer segments (never Triton's, never a path)."""
+    conn = SharedMemoryConnector()
+    for name in ("tllm1234_8001_region", "llmkv_../../etc", "llmkv_a/b", 7):
+        loc = {"kind": "shm", "name": name, "shape": list(SHAPE), "dtype": "float32"}
+        with pytest.raises(TransferError, match="not a KV transfer segment"):
+            conn.fetch(loc, 0, 1)
+        conn.release(loc)                           # ignored, no exception

@@ -127,11 +127,18 @@ def test_pbtxt_editing():
     assert "count: 5" in set_instance_count(text, 5)
 
 
-def test_engine_model_refuses_a_disaggregated_role():
-    """Prefill/decode roles run in-process only (backend/disagg); through Triton they would silently
-    act as unified, so the engine model refuses to load with one."""
+def test_engine_model_builds_the_disaggregated_roles():
+    """role=prefill / decode: the engine model runs the role wrappers around the engine
+    (backend/serving/disagg_engine.py); only a decode engine takes hand-over records."""
+    from backend.serving.disagg_engine import DecodeEngine, DecodeLoop, PrefillEngine
     from backend.serving.engine_service import build_engine_service
     from tests.conftest import model_dir
 
-    with pytest.raises(ValueError, match="role='prefill' is not served through Triton"):
-        build_engine_service(str(model_dir("tiny")), {"role": "prefill", "num_kv_blocks": "8"})
+    pre = build_engine_service(str(model_dir("tiny")), {"role": "prefill", "num_kv_blocks": "8"})
+    dec = build_engine_service(str(model_dir("tiny")), {"role": "decode", "num_kv_blocks": "8"})
+    try:
+        assert isinstance(pre.loop.engine, PrefillEngine) and not getattr(pre.loop, "accepts_handover", False)
+        assert isinstance(dec.loop, DecodeLoop) and isinstance(dec.loop.engine, DecodeEngine)
+    finally:
+        pre.shutdown(1.0)
+        dec.shutdown(1.0)

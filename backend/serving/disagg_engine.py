@@ -1,0 +1,262 @@
+"""Prefill/decode roles served through Triton (docs/disaggregation.md): what the engine model runs
+when its engine option ``role`` is ``prefill`` or ``decode``.
+
+    role=prefill   EngineLoop(PrefillEngine)  every request is prefilled; at its first token
+                   PrefillRole stages the prompt's KV on the connector and the request's Triton
+                   stream ends with one final response: finish_reason "handover", no tokens, the
+                   Handover record (JSON) under key "handover" of the ``metrics`` output. Requests
+                   it keeps (n > 1, structured outputs, a first token that ends them) finish here.
+    role=decode    DecodeLoop(DecodeEngine)   a request carrying parameter ``handover`` (the record)
+                   is admitted through DecodeRole: its prompt's KV is fetched into this pool (blocks
+                   already cached here are not), or recomputed if the transfer fails, and it
+                   streams from the first token. A request without a record runs as on a unified
+                   engine.
+
+Both wrappers look like an LLMEngine to EngineLoop (``step``, ``add_request``, ``abort_request``,
+``has_unfinished``; everything else is the engine's), so the loop, intake and response thread are
+the unified ones. Aborts: the prefill engine aborts a request it holds, and for one it has already
+handed over releases the staged KV (the front sends the abort to both servers while a hand-over is
+in flight); the decode engine aborts a record not admitted yet (its staged KV released) or the
+running request. Staged transfers nobody fetches expire after ``kv_staged_ttl_s``.
+
+``RoleMetrics`` exports, per role, transfer bytes and seconds, hand-overs by outcome, hand-over
+latency (decode side: staging on the prefill host to the first token emitted here; wall clocks,
+so across hosts only as good as their sync) and queue depth, on Triton's metrics port.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from backend import protocol as P
+from backend.disagg.connector import KVConnector, make_connector
+from backend.disagg.decode import DecodeRole
+from backend.disagg.handover import Handover
+from backend.disagg.prefill import PrefillRole
+from backend.engine.admission import duplicate_id
+from backend.engine.engine_loop import EngineLoop
+from backend.errors import invalid_request
+from backend.outputs import StepDelta
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class HandoverDelta(StepDelta):
+    """The final delta of a request this prefill engine handed over (no tokens; the record)."""
+    handover: str | None = None
+
+
+class _Wrapped:
+    def __init__(self, engine) -> None:
+        self._engine = engine
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+
+class PrefillEngine(_Wrapped):
+    role_name = "prefill"
+
+    def __init__(self, engine, connector: KVConnector, *, ttl: float = 60.0) -> None:
+        super().__init__(engine)
+        self.connector = connector
+        self.role = PrefillRole(engine, connector)
+        self.ttl = ttl
+        if hasattr(connector, "serve"):
+            connector.serve()                       # TCP: listen before the first hand-over
+        connector.start_reaper(ttl)
+
+    def step(self) -> list[StepDelta]:
+        deltas = self._engine.step()
+        records = self.role.take()
+        for rec in records:
+            self.role.started.pop(rec.request_id, None)
+            deltas.append(HandoverDelta(
+                rec.request_id, 0, [], [], 0, finished=True, finish_reason=P.FINISH_HANDOVER,
+                prompt_tokens=len(rec.prompt_token_ids), cached_tokens=rec.num_cached_tokens,
+                queue_time=rec.queue_time, handover=rec.to_json()))
+        if records and self.ttl > 0:
+            self.role.forget(self.ttl)
+        return deltas
+
+    def abort_request(self, request_id: str) -> bool:
+        if self._engine.abort_request(request_id):
+            return True
+        return self.role.release(request_id)       # handed over already: drop its staged KV
+
+    def queue_depth(self) -> int:
+        return self._engine.scheduler.num_waiting
+
+    def close_role(self) -> None:
+        self.connector.close()
+
+
+class DecodeEngine(_Wrapped):
+    role_name = "decode"
+
+    def __init__(self, engine, connector: KVConnector) -> None:
+        super().__init__(engine)
+        self.connector = connector
+        self.role = DecodeRole(engine, connector)
+        self.records: dict[str, Handover] = {}      # submitted, not applied by the engine thread yet
+        self._staged_at: dict[str, float] = {}
+        self.handover_seconds: collections.deque = collections.deque(maxlen=4096)   # for RoleMetrics
+
+    def add_request(self, request_id: str, prompt_token_ids, params=None, **kw) -> None:
+        rec = self.records.pop(request_id, None)
+        if rec is None:
+            return self._engine.add_request(request_id, prompt_token_ids, params, **kw)
+        if request_id in self.role.pending or request_id in self._engine.scheduler.requests:
+            self.connector.release(rec.locator) if rec.locator else None
+            raise duplicate_id(request_id)
+        self._staged_at[request_id] = float(rec.extra.get("staged_at", 0.0) or 0.0)
+        self.role.submit(rec)
+
+    def has_unfinished(self) -> bool:
+        return self._engine.has_unfinished() or bool(self.role.pending)
+
+    def step(self) -> list[StepDelta]:
+        admitted = self.role.admit_pending() if self.role.pending else []
+        if admitted:
+            now = time.time()
+            for d in admitted:
+                t = self._staged_at.pop(d.request_id, None)
+                if t:
+                    self.handover_seconds.append(max(0.0, now - t))
+        return admitted + (self._engine.step() if self._engine.has_unfinished() else [])
+
+    def abort_request(self, request_id: str) -> bool:
+        finals = self.role.abort(request_id)         # a record not admitted yet: KV released
+        if finals is not None:
+            self._staged_at.pop(request_id, None)
+            self._engine._finals += finals            # surfaced by the next step()
+            return True
+        return self._engine.abort_request(request_id)
+
+    def queue_depth(self) -> int:
+        return len(self.role.pending) + self._engine.scheduler.num_waiting
+
+    def close_role(self) -> None:
+        self.connector.close()
+
+
+class DecodeLoop(EngineLoop):
+    """EngineLoop whose ``submit`` also takes a hand-over record (intake passes ``handover``)."""
+    accepts_handover = True
+
+    def submit(self, request_id: str, prompt_ids, params=None, *, handover: str | None = None, **kw) -> None:
+        if handover is None:
+            return super().submit(request_id, prompt_ids, params, **kw)
+        try:
+            rec = Handover.from_json(handover)
+            rec_params = rec.sampling_params()
+        except (ValueError, TypeError) as exc:
+            raise invalid_request(P.HANDOVER, f"bad hand-over record: {exc}") from None
+        if list(rec.prompt_token_ids) != list(prompt_ids):
+            raise invalid_request(P.HANDOVER, "the hand-over record's prompt differs from input_ids")
+        rec.request_id = request_id
+        self.engine.records[request_id] = rec
+        try:
+            super().submit(request_id, prompt_ids, rec_params, **kw)
+        except BaseException:
+            self.engine.records.pop(request_id, None)
+            if rec.locator is not None:
+                self.engine.connector.release(rec.locator)
+            raise
+
+
+def build_role(engine, args) -> tuple[Any, type[EngineLoop]]:
+    """(the engine as EngineLoop should see it, the loop class) for ``args.role``."""
+    connector = make_connector(args)
+    if args.role == "prefill":
+        return PrefillEngine(engine, connector, ttl=args.kv_staged_ttl_s), EngineLoop
+    return DecodeEngine(engine, connector), DecodeLoop
+
+
+# -- metrics ----------------------------------------------------------------------------------
+HANDOVER_SECONDS = "llm_disagg_handover_seconds"
+_HO_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
+OUTCOMES = {"prefill": ("handed_over", "kept", "staging_failed"),
+            "decode": ("admitted", "recomputed", "rejected", "aborted_pending")}
+
+
+class RoleMetrics:
+    """Polls the role's counters every ``interval`` s on its own thread (IPC per metric write)."""
+
+    def __init__(self, factory: Any, role_engine, labels: dict[str, str] | None = None,
+                 interval: float = 0.25) -> None:
+        self.r = role_engine
+        self.role = role_engine.role_name
+        lab = {**(labels or {}), "role": self.role}
+        c, g = factory.counter, factory.gauge
+        self._counters = {
+            "bytes": c("llm_disagg_transfer_bytes_total",
+                       "KV bytes staged (prefill) or fetched (decode) by the KV connector", lab),
+            "seconds": c("llm_disagg_transfer_seconds_total",
+                         "Seconds spent staging (prefill) or fetching (decode) KV", lab),
+            "expired": c("llm_disagg_staged_expired_total",
+                         "Staged KV transfers dropped by the TTL (kv_staged_ttl_s), never fetched", lab),
+            "released": c("llm_disagg_staged_released_total",
+                          "Staged KV transfers released (abort) before being fetched", lab),
+            "prefix": c("llm_disagg_prefix_hit_blocks_total",
+                        "KV blocks not fetched because the decode pool had them cached", lab),
+        }
+        self._outcomes = {o: c("llm_disagg_handovers_total", "Hand-overs by outcome", {**lab, "outcome": o})
+                          for o in OUTCOMES[self.role]}
+        self._depth = g("llm_disagg_queue_depth",
+                        "Requests waiting in this role (decode: records not admitted + waiting)", lab)
+        self._staged = g("llm_disagg_staged_transfers", "KV transfers staged here and not yet fetched", lab)
+        self._hist = factory.histogram(HANDOVER_SECONDS, "Prefill-side staging to the first token emitted "
+                                       "by the decode engine", lab, _HO_BUCKETS)
+        self._last: dict[str, float] = collections.defaultdict(float)
+        self._interval = interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="llm-disagg-metrics", daemon=True)
+        self._thread.start()
+
+    def values(self) -> dict[str, float]:
+        st = self.r.connector.stats()
+        role = self.r.role
+        if self.role == "prefill":
+            v = {"bytes": st.staged_bytes, "seconds": st.stage_seconds, "handed_over": role.handed_over,
+                 "kept": role.kept, "staging_failed": role.staging_failures, "prefix": 0}
+        else:
+            ds = role.stats
+            v = {"bytes": st.fetched_bytes, "seconds": st.fetch_seconds, "admitted": ds.admitted,
+                 "recomputed": ds.recomputed, "rejected": ds.rejected, "aborted_pending": ds.aborted_pending,
+                 "prefix": ds.prefix_hit_blocks}
+        v.update(expired=st.expired, released=st.released)
+        return v
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self.poll()
+            except Exception:                       # noqa: BLE001 - metrics never take serving down
+                log.exception("disaggregation metrics poll failed")
+
+    def poll(self) -> None:
+        for key, value in self.values().items():
+            diff = float(value) - self._last[key]
+            if diff > 0:
+                metric = self._counters.get(key) or self._outcomes.get(key)
+                if metric is not None:
+                    metric.increment(diff)
+                self._last[key] = float(value)
+        for name, gauge, value in (("depth", self._depth, self.r.queue_depth()),
+                                   ("staged", self._staged, self.r.connector.num_staged())):
+            if self._last.get("g_" + name) != value:
+                gauge.set(float(value))
+                self._last["g_" + name] = value
+        ho = getattr(self.r, "handover_seconds", None)
+        while ho:
+            self._hist.observe(ho.popleft())
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(2.0)
