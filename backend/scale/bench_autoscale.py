@@ -129,6 +129,7 @@ def run(a) -> dict:
         running = [p["running"] for p in timeline]
         high_end = next(i for i, p in enumerate(timeline) if p["t"] >= a.low_s + a.high_s) \
             if timeline[-1]["t"] >= a.low_s + a.high_s else len(timeline)
+        up = next((p["t"] for p in timeline if p["running"] >= 2), None)
         result = {"command": "python -m backend.scale.bench_autoscale " + " ".join(a.argv),
                   "config": {"target_ongoing_requests": a.target, "upscale_delay_s": a.upscale_delay,
                              "downscale_delay_s": a.downscale_delay, "look_back_period_s": a.look_back,
@@ -137,9 +138,9 @@ def run(a) -> dict:
                   "replicas_start": running[0] if running else 0,
                   "replicas_max_in_high": max(running[:high_end] or [0]),
                   "replicas_end": running[-1] if running else 0,
-                  "scaled_up_at_s": next((p["t"] for p in timeline if p["running"] >= 2), None),
-                  "scaled_down_at_s": next((p["t"] for p in timeline[high_end:] if p["running"] == 1
-                                            and not p["states"].get("STOPPING")), None),
+                  "scaled_up_at_s": up,
+                  "scaled_down_at_s": next((p["t"] for p in timeline if up is not None and p["t"] > up
+                                            and p["running"] == 1 and not p["states"].get("STOPPING")), None),
                   "timeline": timeline}
         serve.delete(APP)
         return result
@@ -156,13 +157,21 @@ def plot(result: dict, path: str) -> None:
     tl = result["timeline"]
     t = [p["t"] for p in tl]
     fig, axes = plt.subplots(3, 1, figsize=(8, 6.5), sharex=True)
-    axes[0].step(t, [p["running"] for p in tl], where="post", label="running replicas")
-    axes[0].step(t, [p["clients"] for p in tl], where="post", alpha=0.4, label="clients (load step)")
-    axes[0].set_ylabel("count")
+    axes[0].step(t, [p["running"] for p in tl], where="post", label="running")
+    axes[0].step(t, [p["running"] + p["states"].get("STARTING", 0) for p in tl], where="post",
+                 linestyle=":", label="running + starting")
+    axes[0].set_ylim(0, 2.6)
+    axes[0].set_ylabel("replicas")
     axes[0].legend(loc="upper right", fontsize=8)
-    axes[1].plot(t, [p["open_requests"] for p in tl], color="tab:orange")
+    axes[1].step(t, [p["clients"] for p in tl], where="post", alpha=0.5, label="clients (load step)")
+    axes[1].plot(t, [p["open_requests"] for p in tl], color="tab:orange", label="open requests")
     axes[1].set_ylabel("ongoing requests")
-    axes[2].plot(t, [p["tok_s"] for p in tl], color="tab:green")
+    axes[1].legend(loc="upper right", fontsize=8)
+    tok = [p["tok_s"] for p in tl]
+    smooth = [sum(tok[max(0, i - 4):i + 1]) / len(tok[max(0, i - 4):i + 1]) for i in range(len(tok))]
+    axes[2].plot(t, tok, color="tab:green", alpha=0.3, label="per sample")
+    axes[2].plot(t, smooth, color="tab:green", label="5-sample mean")
+    axes[2].legend(loc="upper right", fontsize=8)
     axes[2].set_ylabel("completion tok/s")
     axes[2].set_xlabel("seconds")
     c = result["config"]
@@ -176,11 +185,12 @@ def main(argv: list[str] | None = None) -> int:
     import sys
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", default=None)
     p.add_argument("--low", type=int, default=1, help="clients before and after the step")
     p.add_argument("--high", type=int, default=16, help="clients during the step")
     p.add_argument("--low-s", type=float, default=20.0)
-    p.add_argument("--high-s", type=float, default=60.0)
+    p.add_argument("--high-s", type=float, default=150.0,
+                   help="long enough for a new replica to start (about a minute on a busy 2-core box)")
     p.add_argument("--tail-s", type=float, default=60.0)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--target", type=float, default=4.0, help="target ongoing requests per replica")
@@ -191,9 +201,16 @@ def main(argv: list[str] | None = None) -> int:
                    "max_num_seqs=32", "max_num_batched_tokens=512", "num_threads=1"])
     p.add_argument("--out", default=None, help="write the result (timeline included) as JSON here")
     p.add_argument("--plot", default=None, help="write the timeline plot (PNG) here")
+    p.add_argument("--replot", default=None, metavar="JSON", help="only plot a saved --out result")
     argv = sys.argv[1:] if argv is None else argv
     a = p.parse_args(argv)
     a.argv = argv
+    if a.replot:
+        with open(a.replot) as f:
+            plot(json.load(f), a.plot)
+        return 0
+    if not a.model:
+        p.error("--model is required")
     result = run(a)
     if a.out:
         with open(a.out, "w") as f:
