@@ -21,12 +21,15 @@ class EngineArgs:
     dtype: str = "float32"                        # float32 | bfloat16 | float16
     quantization: str = "none"                    # none | int8 | int4: weight-only, decoder projections (backend/quant)
     quant_group_size: int = 32                    # int4 group size (a multiple of 32); int8 is per output channel
+    quant_lm_head: bool = False                   # the LM head too (a tied head gets a quantized copy)
     device: str = "cpu"
     attention_backend: str = "auto"               # auto | torch | triton
     seed: int = 0
     num_threads: int | None = None                # torch intra-op threads on CPU
     stream_interval: float = 0.0                  # serving: seconds the response thread gathers a
                                                   # stream's tokens into one response (0 = each step)
+    busy_stream_interval: float = 0.0             # serving: the same, only while >= 16 requests are open
+                                                  # (fewer responses per token under load; 0 = off)
     speculative_config: str | dict | None = None  # vLLM's spelling, JSON text or a dict (backend/spec/config.py)
     # Hardening (issue 19; backend/engine/fairness.py, docs/serving.md "Tenants and trust"):
     max_running_per_tenant: int = 0               # sequences one tenant may run at once (0 = no limit)

@@ -9,9 +9,13 @@ failing a request at run time.
     client --text_input | messages--> llm (ensemble)
         preprocessing: text_input | messages -> input_ids
         engine:        input_ids -> output_ids, window_ids, num_sent, max_chars, finish_reason, index,
-                                    prompt_tokens, completion_tokens, cached_tokens, logprobs, metrics
-        postprocessing: the engine's outputs -> text_output + the rest (see PASS_THROUGH)
+                                    prompt_tokens, completion_tokens, cached_tokens, logprobs, metrics,
+                                    text_output, text_logprobs (detokenized in the engine's response
+                                    thread; only the outputs a caller requests are built)
     client <--text_output, finish_reason, index, *_tokens, output_ids, logprobs, metrics--
+
+The ``postprocessing`` model (token windows -> text) stays in the repository for token-id clients
+and for the old three-step ensemble (``TRITON_LLM_POSTPROCESSING_STEP=1``, backend/serving/repository.py).
 
 Request parameters are OpenAI's names; the same parameters reach every step of the ensemble.
 """
@@ -41,6 +45,7 @@ CACHED_TOKENS = "cached_tokens"
 LOGPROBS = "logprobs"               # JSON (engine: ids; ensemble: OpenAI chat shape) or ""
 METRICS = "metrics"                 # JSON {"queue_time","ttft","num_preemptions"} on the final response
 TEXT_OUTPUT = "text_output"         # the response's text delta
+TEXT_LOGPROBS = "text_logprobs"     # engine: logprobs in the ensemble's (OpenAI chat) shape, or ""
 
 INT32 = "INT32"
 STRING = "STRING"                   # config.pbtxt's TYPE_STRING, tritonclient's "BYTES"
@@ -83,9 +88,12 @@ def _str1(name: str, optional: bool = False) -> TensorSpec:
 
 PROMPT_INPUTS = (_str1(TEXT_INPUT, optional=True), _str1(MESSAGES, optional=True))
 # The engine's outputs, in the order engine_outputs() builds them (backend/serving/responses.py).
-ENGINE_OUTPUTS = (_ids(OUTPUT_IDS), _ids(WINDOW_IDS), _int1(NUM_SENT), _int1(MAX_CHARS), _str1(FINISH_REASON),
-                  _int1(INDEX), _int1(PROMPT_TOKENS), _int1(COMPLETION_TOKENS), _int1(CACHED_TOKENS),
-                  _str1(LOGPROBS), _str1(METRICS))
+# The first eleven are token-level (what postprocessing takes); the last two are the same response
+# detokenized in the engine, which the ensemble returns directly (no postprocessing hop per token).
+ENGINE_TOKEN_OUTPUTS = (_ids(OUTPUT_IDS), _ids(WINDOW_IDS), _int1(NUM_SENT), _int1(MAX_CHARS),
+                        _str1(FINISH_REASON), _int1(INDEX), _int1(PROMPT_TOKENS), _int1(COMPLETION_TOKENS),
+                        _int1(CACHED_TOKENS), _str1(LOGPROBS), _str1(METRICS))
+ENGINE_OUTPUTS = ENGINE_TOKEN_OUTPUTS + (_str1(TEXT_OUTPUT), _str1(TEXT_LOGPROBS))
 # What a text client gets: the engine's outputs detokenized (window/num_sent/max_chars -> text).
 TEXT_OUTPUTS = (_str1(TEXT_OUTPUT), _str1(FINISH_REASON), _ids(OUTPUT_IDS), _int1(INDEX), _int1(PROMPT_TOKENS),
                 _int1(COMPLETION_TOKENS), _int1(CACHED_TOKENS), _str1(LOGPROBS), _str1(METRICS))
@@ -96,7 +104,7 @@ MODELS: dict[str, ModelIO] = {
     ENSEMBLE: ModelIO(PROMPT_INPUTS, TEXT_OUTPUTS),
     PREPROCESSING: ModelIO(PROMPT_INPUTS, (_ids(INPUT_IDS),)),
     ENGINE: ModelIO((_ids(INPUT_IDS, optional=True),), ENGINE_OUTPUTS),
-    POSTPROCESSING: ModelIO(ENGINE_OUTPUTS, TEXT_OUTPUTS),
+    POSTPROCESSING: ModelIO(ENGINE_TOKEN_OUTPUTS, TEXT_OUTPUTS),
 }
 
 # -- request parameters --------------------------------------------------------------------------

@@ -69,14 +69,14 @@ def run_engine(model_dir, reqs, options: dict) -> dict:
     llm.generate([reqs[0][0][:8]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
     params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for _, o in reqs]
     before = llm.engine.stats()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     outs = llm.generate([p for p, _ in reqs], params)
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
     after = llm.engine.stats()
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     assert tokens == sum(o for _, o in reqs), "ignore_eos: every request produces exactly its length"
     return {"seconds": elapsed, "output_tokens": tokens, "output_throughput": tokens / elapsed,
-            "requests": len(reqs), "num_preemptions": after.num_preemptions - before.num_preemptions,
+            "cpu_seconds": cpu, "cpu_throughput": tokens / cpu, "requests": len(reqs), "num_preemptions": after.num_preemptions - before.num_preemptions,
             "outputs": {i: o.outputs[0].token_ids for i, o in enumerate(outs)}}
 
 
@@ -114,7 +114,7 @@ def run_static(model, reqs, groups: list[int], pad_id: int) -> dict:
     """Left-padded groups of 16 in arrival order; each decodes to its longest output."""
     import torch
 
-    elapsed = useful = 0.0
+    elapsed = useful = cpu = 0.0
     with torch.inference_mode():
         for g in groups:
             batch = reqs[g * GROUP:(g + 1) * GROUP]
@@ -125,15 +125,17 @@ def run_static(model, reqs, groups: list[int], pad_id: int) -> dict:
             for r, (p, _) in enumerate(batch):
                 ids[r, width - len(p):] = torch.tensor(p)
                 mask[r, width - len(p):] = 1
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             model.generate(ids, attention_mask=mask, max_new_tokens=o_max, min_new_tokens=o_max,
                            do_sample=False, pad_token_id=pad_id)
             elapsed += time.perf_counter() - t0
+            cpu += time.process_time() - c0
             useful += sum(o for _, o in batch)
     n_groups = math.ceil(len(reqs) / GROUP)
     total = sum(o for _, o in reqs)
     return {"seconds_measured": elapsed, "sampled_groups": len(groups), "groups": n_groups,
             "output_tokens_measured": useful, "output_throughput": useful / elapsed,
+            "cpu_seconds_measured": cpu, "cpu_throughput": useful / cpu,
             "extrapolated": len(groups) < n_groups, "seconds": elapsed * total / useful}
 
 
@@ -174,13 +176,15 @@ def bench_model(name: str, args) -> dict:
         "greedy_outputs_equal_hf": f"{same}/{len(hf_sample)}",
         "ratio_engine_vs_hf_sequential": engine["output_throughput"] / hf["output_throughput"],
         "ratio_engine_vs_static": engine["output_throughput"] / static["output_throughput"],
+        # tokens per CPU second: robust to other work on a shared machine (with --threads 1)
+        "ratio_engine_vs_static_cpu": engine["cpu_throughput"] / static["cpu_throughput"],
     }
 
 
 def markdown(results: list[dict]) -> str:
     rows = ["| model | engine tok/s | HF one-by-one tok/s | static-16 tok/s | engine / HF | engine / static "
-            "| static padding waste (ceiling) | greedy = HF |",
-            "|---|---|---|---|---|---|---|---|"]
+            "| engine / static per CPU s | static padding waste (ceiling) | greedy = HF |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         hf, st, pad = r["hf_sequential"], r["static"], r["static_padding"]
         rows.append(
@@ -188,6 +192,7 @@ def markdown(results: list[dict]) -> str:
             f"{' (sample ' + str(hf['sampled_requests']) + ')' if hf['extrapolated'] else ''} "
             f"| {st['output_throughput']:.0f}{' (' + str(st['sampled_groups']) + ' groups)' if st['extrapolated'] else ''} "
             f"| {r['ratio_engine_vs_hf_sequential']:.1f}x | {r['ratio_engine_vs_static']:.2f}x "
+            f"| {r['ratio_engine_vs_static_cpu']:.2f}x "
             f"| {pad['total_waste']:.0%} (≤ {pad['ceiling_speedup']:.2f}x) | {r['greedy_outputs_equal_hf']} |")
     return "\n".join(rows)
 

@@ -35,15 +35,17 @@ class EngineService:
                  sweep_interval: float = 0.1, tombstone_ttl: float = 30.0, stream_interval: float = 0.0,
                  cancel_check_interval: float = CANCEL_CHECK_INTERVAL,
                  clock: Callable[[], float] = time.monotonic, start: bool = True,
-                 q: queue.Queue | None = None, drain_timeout: float = 30.0,
-                 allow_client_salt: bool = False, test_faults: bool = False) -> None:
+                 q: queue.Queue | None = None, drain_timeout: float = 30.0, busy_stream_interval: float = 0.0,
+                 allow_client_salt: bool = False, test_faults: bool = False, detokenizer: Any = None) -> None:
         self.loop = loop
         self.drain_timeout = drain_timeout
         self.metrics = metrics
         self.tombstones = AbortTombstones(tombstone_ttl, clock)
         self.responses = ResponseThread(loop, self.tombstones, metrics=metrics, stream_interval=stream_interval,
+                                        busy_stream_interval=busy_stream_interval,
                                         sweep_interval=sweep_interval,
-                                        cancel_check_interval=cancel_check_interval, clock=clock, q=q)
+                                        cancel_check_interval=cancel_check_interval, clock=clock, q=q,
+                                        detokenizer=detokenizer)
         self.intake = Intake(loop, self.responses, self.tombstones, max_model_len=max_model_len, clock=clock,
                              allow_client_salt=allow_client_salt, test_faults=test_faults)
         self.drain_watch = None
@@ -95,6 +97,7 @@ def build_engine_service(model_dir: str, params: dict[str, str], *, metrics_fact
     from backend.engine.engine_loop import EngineLoop
     from backend.engine.llm_engine import LLMEngine
     from backend.serving.metrics import ServingMetrics
+    from backend.serving.postprocess import Postprocessor
 
     known = {f.name for f in fields(EngineArgs)}
     args = EngineArgs.from_dict({k: v for k, v in params.items() if k in known})
@@ -123,7 +126,9 @@ def build_engine_service(model_dir: str, params: dict[str, str], *, metrics_fact
             metrics.role_metrics = RoleMetrics(metrics_factory, engine, labels)
     service = EngineService(loop, max_model_len=engine.max_model_len, metrics=metrics,
                             stream_interval=args.stream_interval, drain_timeout=args.shutdown_drain_s,
-                            allow_client_salt=args.allow_client_salt, test_faults=args.test_faults)
+                            busy_stream_interval=args.busy_stream_interval,
+                            allow_client_salt=args.allow_client_salt, test_faults=args.test_faults,
+                            detokenizer=Postprocessor(model_dir))   # text in the engine (response_thread.py)
     if args.drain_file:
         service.watch_drain(args.drain_file)
     return service

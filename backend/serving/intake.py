@@ -18,6 +18,7 @@ from backend.errors import EngineError, invalid_request, unavailable
 from backend.outputs import StepDelta
 from backend.serving.errors import as_engine_error
 from backend.serving.messages import ControlAnswered, DeltaArrived, Incoming, Opened, Rejected, RequestHandle
+from backend.serving.postprocess import skip_special_tokens
 from backend.serving.request_params import cache_salt, fit_context, parse_parameters, request_settings
 from backend.serving.response_thread import ResponseThread
 from backend.serving.tombstones import AbortTombstones
@@ -76,6 +77,8 @@ class Intake:
                 raise invalid_request(P.HANDOVER, "this engine takes no hand-overs (it is not role=decode)")
             extra["handover"] = str(record)
         h.remaining, h.stream = settings.sampling.n, settings.stream
+        h.want = inc.requested_outputs or None
+        h.skip_special_tokens = skip_special_tokens(params)
         post = self.responses.post
         if self.tombstones.take(h.rid):     # its abort overtook it: answer abort without running
             post(Opened(h))

@@ -38,6 +38,7 @@ class Incoming:
     timeout_s: float | None = None          # Triton's own request timeout, if the client set one
     oversize: int = 0                       # input_ids longer than the context window: its length
                                             # (model.py checks before converting to a list)
+    requested_outputs: frozenset[str] | None = None     # output names the caller asked for (None: all)
 
 
 @dataclass(eq=False)                        # identity: two requests may share an id (one is rejected)
@@ -55,6 +56,9 @@ class RequestHandle:
     first_token: float | None = None        # latency bookkeeping (backend/serving/latency.py)
     last_token: dict[int, float] = field(default_factory=dict)
     queue_time_seen: bool = False
+    want: frozenset[str] | None = None      # output names to build (None: all; responses.py)
+    skip_special_tokens: bool = True        # for the text outputs (backend/serving/postprocess.py)
+    cancel_every: float = 0.0               # is_cancelled() at most this often (response_thread.py)
 
 
 @dataclass(slots=True)

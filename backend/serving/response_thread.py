@@ -11,9 +11,16 @@ gone and ``post`` answers a late message itself, so a request submitted during s
 its one FINAL.
 
 Cancellation costs an ``is_cancelled()`` IPC round trip, so it is checked per request on a time
-basis: at most once per ``cancel_check_interval`` when the request sends, and by the sweep (every
-``sweep_interval``) when it sends nothing. A cancel seen is aborted in the engine at once, so the
+basis: at most once per ``cancel_check_interval`` when the request sends (``sweep_interval`` for a
+step of the ``llm`` ensemble, which Triton never tells about a cancel: its clients send an explicit
+abort), and by the sweep (every ``sweep_interval``) when it sends nothing. A cancel seen is aborted in the engine at once, so the
 request's blocks are free before the engine's next step.
+
+Text: with a ``detokenizer`` (backend/serving/postprocess.py ``Postprocessor``) the thread also
+turns each delta into its text delta (and OpenAI-shaped logprobs) when the caller requested
+``text_output``/``text_logprobs``, as the ``llm`` ensemble does: the ensemble then returns the
+engine's responses directly, without a postprocessing model call per token. Only the outputs a
+caller requested are built. A detokenization failure ends that request with an internal error.
 """
 from __future__ import annotations
 
@@ -23,6 +30,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from backend import protocol as P
 from backend.errors import EngineError, internal, unavailable
 from backend.outputs import StepDelta
 from backend.serving.coalesce import coalesce, only_mid_stream
@@ -30,25 +38,33 @@ from backend.serving.errors import wire_kind
 from backend.serving.latency import ABORT_TO_FREE, LatencyRecorder
 from backend.serving.messages import (STOP, ControlAnswered, DeltaArrived, Message, Opened, Rejected,
                                       RequestHandle)
-from backend.serving.responses import control_outputs, engine_outputs
+from backend.serving.responses import control_outputs, engine_outputs, wants_text
 from backend.serving.tombstones import AbortTombstones
 
 log = logging.getLogger(__name__)
 
 MAX_DRAIN = 4096                # messages taken per step (bounds one step's latency under a flood)
 CANCEL_CHECK_INTERVAL = 0.02    # s; at the 16-stream goal rate (~20 ms a token) about every other send
+BUSY_STREAMS = 16               # open requests from which busy_stream_interval gathers tokens
+BUSY_RETRY = 1.0                # s; busy gathering pauses this long after a wait that gathered nothing
 
 
 class ResponseThread:
     def __init__(self, loop: Any, tombstones: AbortTombstones, *, metrics: Any = None,
-                 stream_interval: float = 0.0, sweep_interval: float = 0.1,
+                 stream_interval: float = 0.0, busy_stream_interval: float = 0.0,
+                 busy_streams: int = BUSY_STREAMS, sweep_interval: float = 0.1,
                  cancel_check_interval: float = CANCEL_CHECK_INTERVAL,
-                 clock: Callable[[], float] = time.monotonic, q: queue.Queue | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, q: queue.Queue | None = None,
+                 detokenizer: Any = None) -> None:
         self.loop = loop
+        self.detokenizer = detokenizer
         self.tombstones = tombstones
         self.metrics = metrics
         self.latency = LatencyRecorder(metrics)
         self.stream_interval = stream_interval
+        self.busy_stream_interval = busy_stream_interval
+        self.busy_streams = busy_streams
+        self._busy_retry_at = 0.0           # busy gathering paused until then (it gathered nothing)
         self.sweep_interval = sweep_interval
         self.cancel_check_interval = cancel_check_interval
         self._clock = clock
@@ -102,8 +118,12 @@ class ResponseThread:
         except queue.Empty:
             batch = []
         self._drain(batch)
-        if self.stream_interval > 0 and only_mid_stream(batch):
-            self._linger(batch)
+        interval = self._gather_interval()
+        if interval > 0 and only_mid_stream(batch):
+            if not self._linger(batch, interval) and self.stream_interval <= 0:
+                # steps slower than busy_stream_interval: waiting gathers nothing, so stop
+                # waiting (and try again in a while: the batch or the load may change)
+                self._busy_retry_at = self._clock() + BUSY_RETRY
         stop = bool(batch) and batch[-1] is STOP
         for msg in coalesce(batch[:-1] if stop else batch):
             try:
@@ -128,24 +148,45 @@ class ResponseThread:
             except queue.Empty:
                 return
 
-    def _linger(self, batch: list[Message]) -> None:
-        """Gather the next steps' tokens of mid-stream requests for up to ``stream_interval``;
-        stop waiting as soon as anything else arrives (a first token, a final, a control answer)."""
-        deadline = self._clock() + self.stream_interval
+    def _gather_interval(self) -> float:
+        """How long mid-stream tokens may wait to be gathered: ``stream_interval`` if set, else
+        ``busy_stream_interval`` while at least ``busy_streams`` requests are open (many streams:
+        each response's IPC and downstream work is worth sharing between steps), else 0."""
+        if self.stream_interval > 0:
+            return self.stream_interval
+        if self.busy_stream_interval > 0 and len(self._open) >= self.busy_streams \
+                and self._clock() >= self._busy_retry_at:
+            return self.busy_stream_interval
+        return 0.0
+
+    def _linger(self, batch: list[Message], interval: float) -> bool:
+        """Gather the next steps' tokens of mid-stream requests for up to ``interval``; stop
+        waiting as soon as anything else arrives (a first token, a final, a control answer).
+        True if anything arrived while waiting."""
+        deadline = self._clock() + interval
+        got = False
         while (remaining := deadline - self._clock()) > 0:
             try:
                 batch.append(self._q.get(timeout=remaining))
             except queue.Empty:
-                return
+                return got
+            got = True
             self._drain(batch)
             if not only_mid_stream(batch):
-                return
+                return got
+        return got
 
     def _handle(self, msg: Message) -> None:
         if isinstance(msg, DeltaArrived):
             self._on_delta(msg.handle, msg.delta)
         elif isinstance(msg, Opened):
-            self._open[msg.handle] = None
+            h = msg.handle
+            self._open[h] = None
+            # A step of the llm ensemble (it asks for the text outputs, never the token window) is
+            # not told about client cancels (Triton does not forward them into ensemble steps; the
+            # clients send an explicit abort): ask for it only as often as the sweep does.
+            ensemble_step = h.want is not None and P.TEXT_LOGPROBS in h.want and P.WINDOW_IDS not in h.want
+            h.cancel_every = self.sweep_interval if ensemble_step else self.cancel_check_interval
         elif isinstance(msg, Rejected):
             self.latency.rejected(wire_kind(msg.error))
             self._finish(msg.handle, error=msg.error)
@@ -172,9 +213,17 @@ class ResponseThread:
             if last:
                 self._finish(h)
             return
+        text = None
+        if self.detokenizer is not None and wants_text(h.want):
+            try:
+                text = self.detokenizer.delta_text(d, h.skip_special_tokens)
+            except Exception:               # noqa: BLE001 - this request fails, the thread goes on
+                log.exception("detokenizing a response of %s failed", h.rid)
+                self._finish(h, error=internal("detokenizing the response failed"), abort_rest=not last)
+                return
         ttft = self.latency.delta(h, d, now)
         try:
-            h.responder.send(engine_outputs(d, ttft=ttft), final=last)
+            h.responder.send(engine_outputs(d, ttft=ttft, text=text, want=h.want), final=last)
         except Exception as exc:            # noqa: BLE001 - the stream is gone: stop generating
             log.debug("send for %s failed: %s", h.rid, exc)
             if last:
@@ -203,7 +252,7 @@ class ResponseThread:
 
     def _cancel_seen(self, h: RequestHandle, now: float) -> bool:
         """Ask Triton at most once per ``cancel_check_interval`` whether the client went away."""
-        return now - h.last_check >= self.cancel_check_interval and self._check(h, now)
+        return now - h.last_check >= h.cancel_every and self._check(h, now)
 
     def _check(self, h: RequestHandle, now: float) -> bool:
         h.last_check = now

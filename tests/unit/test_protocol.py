@@ -45,10 +45,16 @@ def test_config_tensors_match_the_protocol(path):
     assert specs(cfg.output) == by_name(io.outputs)
 
 
-def test_ensemble_steps_wire_real_tensors():
+ENSEMBLES = [TEMPLATES / P.ENSEMBLE / "config.pbtxt", TEMPLATES / P.ENSEMBLE / "postprocessing_step.pbtxt"]
+
+
+@pytest.mark.parametrize("path", ENSEMBLES, ids=lambda p: p.name)
+def test_ensemble_steps_wire_real_tensors(path):
     """Every step maps existing inputs/outputs of its model; each intermediate is produced before
-    it is consumed; every ensemble output is produced by some step."""
-    cfg = load(TEMPLATES / P.ENSEMBLE / "config.pbtxt")
+    it is consumed; every ensemble output is produced by some step (the ensemble and the old
+    three-step variant that TRITON_LLM_POSTPROCESSING_STEP=1 selects)."""
+    cfg = load(path)
+    assert specs(cfg.output) == by_name(P.MODELS[P.ENSEMBLE].outputs)
     available = {t.name for t in cfg.input}
     for step in cfg.ensemble_scheduling.step:
         io = P.MODELS[step.model_name]
@@ -58,10 +64,13 @@ def test_ensemble_steps_wire_real_tensors():
         assert set(step.output_map) <= {t.name for t in io.outputs}, step.model_name
         available |= set(step.output_map.values())
     assert {t.name for t in cfg.output} <= available
-    # the engine's outputs all reach postprocessing under the same names
+    post = [s for s in cfg.ensemble_scheduling.step if s.model_name == P.POSTPROCESSING]
     engine = next(s for s in cfg.ensemble_scheduling.step if s.model_name == P.ENGINE)
-    post = next(s for s in cfg.ensemble_scheduling.step if s.model_name == P.POSTPROCESSING)
-    assert {post.input_map[k] for k in post.input_map} == {engine.output_map[k] for k in post.input_map}
+    if post:    # the engine's token outputs all reach postprocessing under the same names
+        assert {post[0].input_map[k] for k in post[0].input_map} == {engine.output_map[k] for k in post[0].input_map}
+    else:       # the engine's text outputs are the ensemble's
+        assert engine.output_map[P.TEXT_OUTPUT] == P.TEXT_OUTPUT
+        assert engine.output_map[P.TEXT_LOGPROBS] == P.LOGPROBS
 
 
 def test_pass_through_is_what_postprocessing_copies():
@@ -74,9 +83,13 @@ def test_pass_through_is_what_postprocessing_copies():
 def test_engine_outputs_build_exactly_the_declared_tensors():
     delta = StepDelta(request_id="r", index=0, new_token_ids=[5, 6], finished=True, finish_reason="stop",
                       prompt_tokens=3, completion_tokens=2, window_ids=[4, 5, 6], num_sent=1)
-    out = engine_outputs(delta, ttft=0.1)
+    out = engine_outputs(delta, ttft=0.1, text=("hi", ""))
     declared = by_name(P.ENGINE_OUTPUTS)
     assert list(out) == [t.name for t in P.ENGINE_OUTPUTS]
+    # only requested outputs are built; without text the text outputs are left out
+    want = {P.TEXT_OUTPUT, P.INDEX}
+    assert list(engine_outputs(delta, text=("hi", ""), want=want)) == [P.INDEX, P.TEXT_OUTPUT]
+    assert P.TEXT_OUTPUT not in engine_outputs(delta)
     for name, arr in out.items():
         spec = declared[name]
         assert (arr.dtype.kind == "O") == (spec.dtype == P.STRING), name

@@ -105,10 +105,12 @@ class TritonPythonModel:
                 else:
                     ids = arr.tolist()
             timeout_us = request.timeout() if hasattr(request, "timeout") else 0
+            wanted = request.requested_output_names() if hasattr(request, "requested_output_names") else None
             self.service.submit(Incoming(
                 request_id=request.request_id(), input_ids=ids, parameters=request.parameters(),
                 responder=Responder(request.get_response_sender()),
-                timeout_s=timeout_us / 1e6 if timeout_us else None, oversize=oversize))
+                timeout_s=timeout_us / 1e6 if timeout_us else None, oversize=oversize,
+                requested_outputs=frozenset(wanted) if wanted else None))
         return None
 
     def finalize(self):

@@ -1,0 +1,176 @@
+"""The serving stack's cost per streamed token, side by side in one run: the in-process engine, the
+full stack (OpenAI shim -> llm ensemble over gRPC), and the full stack with the old three-step
+ensemble (a postprocessing model call per token, ``TRITON_LLM_POSTPROCESSING_STEP=1``), alternated
+round by round so background load hits every contender alike.
+
+    python -m load.overhead_ab --model bench-15m --concurrency 1 16 32 --rounds 2
+
+Per contender and load point: output tok/s, ITL p50, and the CPU time of every process involved
+(the benchmark process, tritonserver and its stubs, the shim) per output token -- CPU time is what
+competes with the engine's compute thread on a small machine, and it is robust to being descheduled.
+The table shows the best round of each (highest tok/s; lowest CPU ms/token); the JSON keeps all.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import pathlib
+import sys
+import time
+
+from backend.serving.repository import POSTPROCESSING_STEP_ENV
+from load.backends import EngineBackend, GrpcBackend, ShimBackend
+from load.bench import bench_point, warm_up
+from load.profile_overhead import cpu_seconds, group_members
+from load.stack import ROOT, Stack, engine_options, resolve_model
+from load.workloads import WorkloadSpec, make_workload
+
+CONTENDERS = {
+    "engine": "in-process EngineLoop",
+    "http": "full stack: shim + ensemble (engine detokenizes)",
+    "http-post": "full stack: shim + ensemble with the postprocessing step (before)",
+    "grpc": "gRPC ensemble (engine detokenizes)",
+    "grpc-post": "gRPC ensemble with the postprocessing step (before)",
+}
+
+
+def _pids(stack: Stack | None) -> list[int]:
+    pids = [os.getpid()]
+    if stack is not None:
+        pids += group_members(stack.server.proc.pid)
+        if stack.shim_proc is not None:
+            pids += group_members(stack.shim_proc.pid)
+    return pids
+
+
+def _cpu(pids: list[int]) -> float:
+    total = 0.0
+    for p in pids:
+        try:
+            total += cpu_seconds(p)
+        except OSError:
+            pass
+    return total
+
+
+def split_contender(label: str) -> tuple[str, dict]:
+    """``http@stream_interval=0.03`` -> ("http", {"stream_interval": "0.03"}): per-contender options."""
+    name, *items = label.split("@")
+    if name not in CONTENDERS:
+        raise ValueError(f"unknown contender {name!r} (have {', '.join(CONTENDERS)})")
+    return name, dict(item.split("=", 1) for item in items)
+
+
+async def run_contender(label: str, model: str, opts: dict, points: list[tuple[int, int]], seed: int) -> list[dict]:
+    name, extra = split_contender(label)
+    opts = {**opts, **extra}
+    old_env = os.environ.get(POSTPROCESSING_STEP_ENV)
+    if name.endswith("-post"):
+        os.environ[POSTPROCESSING_STEP_ENV] = "1"
+    else:
+        os.environ.pop(POSTPROCESSING_STEP_ENV, None)
+    stack = None
+    try:
+        if name == "engine":
+            be = EngineBackend(resolve_model(model), opts)
+        else:
+            stack = Stack(resolve_model(model), opts, shim=name.startswith("http")).__enter__()
+            be = (ShimBackend(stack.shim_url, metrics_url=stack.metrics_url) if name.startswith("http")
+                  else GrpcBackend(stack.grpc_url, metrics_url=stack.metrics_url))
+        out = []
+        try:
+            await be.start()
+            await warm_up(be, 4)
+            for conc, n in points:
+                jobs = make_workload(WorkloadSpec("mixed", num_jobs=n, input_len=128, output_len=128,
+                                                  range_ratio=0.5, seed=seed))
+                pids = _pids(stack)
+                c0, t0 = _cpu(pids), time.perf_counter()
+                point = await bench_point(be, jobs, concurrency=conc, request_rate=None, progress=False,
+                                          desc=f"{name} c={conc}")
+                wall, cpu = time.perf_counter() - t0, _cpu(pids) - c0
+                s = point["summary"]
+                tokens = s["total_output_tokens"]
+                if s["failed"]:
+                    print(f"  {name} c={conc}: {s['failed']} failed: {s['errors']}", flush=True)
+                out.append({"contender": label, "concurrency": conc, "requests": n,
+                            "tok_s": s["output_throughput"], "itl_p50_ms": s["itl_ms"]["p50"],
+                            "tpot_p50_ms": s.get("tpot_ms", {}).get("p50"),
+                            "ttft_p50_ms": s["ttft_ms"]["p50"], "wall_s": wall, "cpu_s": cpu,
+                            "cpu_ms_per_token": 1000 * cpu / tokens if tokens else None})
+                r = out[-1]
+                print(f"  {label:10s} c={conc:3d}: {r['tok_s']:7.1f} tok/s  ITL p50 {r['itl_p50_ms']:6.2f} ms  "
+                      f"CPU {r['cpu_ms_per_token']:.2f} ms/token", flush=True)
+        finally:
+            await be.close()
+    finally:
+        if stack is not None:
+            stack.__exit__(None, None, None)
+        if old_env is None:
+            os.environ.pop(POSTPROCESSING_STEP_ENV, None)
+        else:
+            os.environ[POSTPROCESSING_STEP_ENV] = old_env
+    return out
+
+
+def table(results: list[dict], contenders: list[str]) -> str:
+    base = next((c for c in contenders if c.split("@")[0] == "engine"), None)
+    lines = ["| streams | contender | tok/s (best) | of in-process | ITL p50 ms | CPU ms / token (best) |",
+             "|---|---|---|---|---|---|"]
+    concs = sorted({r["concurrency"] for r in results})
+    for c in concs:
+        best = {}
+        for name in contenders:
+            rows = [r for r in results if r["contender"] == name and r["concurrency"] == c]
+            if rows:
+                top = max(rows, key=lambda r: r["tok_s"])
+                best[name] = (top["tok_s"], top["itl_p50_ms"], min(r["cpu_ms_per_token"] for r in rows))
+        for name, (tok, itl, cpu) in best.items():
+            share = f"{tok / best[base][0]:.0%}" if base in best else "-"
+            lines.append(f"| {c} | {name} | {tok:.0f} | {share} | {itl:.2f} | {cpu:.2f} |")
+    return "\n".join(lines)
+
+
+async def main_async(args) -> dict:
+    opts = engine_options(args.model, args.engine_option)
+    n_for = {c: max(args.min_requests, c * args.requests_per_stream) for c in args.concurrency}
+    points = [(c, n_for[c]) for c in args.concurrency]
+    results = []
+    for rnd in range(args.rounds):
+        order = args.contenders if rnd % 2 == 0 else list(reversed(args.contenders))
+        for name in order:
+            print(f"round {rnd + 1}: {name}", flush=True)
+            for r in await run_contender(name, args.model, opts, points, args.seed):
+                r["round"] = rnd + 1
+                results.append(r)
+    return {"command": "python -m load.overhead_ab " + " ".join(sys.argv[1:]), "model": args.model,
+            "engine_options": opts, "results": results, "table": table(results, args.contenders)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m load.overhead_ab", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="bench-15m")
+    p.add_argument("--contenders", nargs="+", default=["engine", "http", "http-post"],
+                   help=f"of {', '.join(CONTENDERS)}; NAME@KEY=VALUE adds an engine option")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 32])
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--requests-per-stream", type=int, default=2)
+    p.add_argument("--min-requests", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    res = asyncio.run(main_async(args))
+    out = pathlib.Path(args.out or ROOT / "load" / "results" / f"overhead-ab-{pathlib.Path(args.model).name}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1))
+    print(res["command"])
+    print(res["table"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
