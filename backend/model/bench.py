@@ -24,7 +24,7 @@ from backend.model.runner import ModelRunner
 
 def run(model_dir: str, *, batch: int, context: int, steps: int, dtype: str, block_size: int = 16,
         backend: str = "auto", num_threads: int | None = None, ab_fused: bool = False) -> dict:
-    blocks_per_seq = -(-(context + steps) // block_size)
+    blocks_per_seq = -(-(context + steps + 1) // block_size)    # steps + 1: step 0 is a warm-up
     runner = ModelRunner(model_dir, EngineArgs(dtype=dtype, block_size=block_size, attention_backend=backend,
                                                num_kv_blocks=batch * blocks_per_seq, num_threads=num_threads))
     rng = random.Random(0)

@@ -17,6 +17,9 @@
  */
 #include <math.h>
 #include <stdint.h>
+#ifdef __AVX__
+#include <immintrin.h>
+#endif
 #include <stdlib.h>
 #include <string.h>
 
@@ -44,6 +47,19 @@ static inline float hsum(v8 a) {
     return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
 }
 
+/* s[0..4) = horizontal sums of a0..a3 (one reduction tree for four tokens' scores, instead of
+ * four separate ones: the per-token reduction was the score loop's main cost). */
+static inline void hsum4(v8 a0, v8 a1, v8 a2, v8 a3, float scale, float *s) {
+#ifdef __AVX__
+    __m256 t0 = _mm256_hadd_ps((__m256)a0, (__m256)a1), t1 = _mm256_hadd_ps((__m256)a2, (__m256)a3);
+    __m256 u = _mm256_hadd_ps(t0, t1);     /* [a0 a1 a2 a3] partial sums of lanes 0-3 | of lanes 4-7 */
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+    _mm_storeu_ps(s, _mm_mul_ps(r, _mm_set1_ps(scale)));
+#else
+    s[0] = hsum(a0) * scale; s[1] = hsum(a1) * scale; s[2] = hsum(a2) * scale; s[3] = hsum(a3) * scale;
+#endif
+}
+
 #define LOAD_F32(p, i) ((p)[i])
 #define LOAD_BF16(p, i) bf16_f32((p)[i])
 
@@ -65,7 +81,18 @@ static void NAME(const float *qg, const KT *kc, const KT *vc, const int32_t *tab
     for (int64_t t0 = 0, b = 0; t0 < n; t0 += bs, b++) {                                           \
         const KT *k = kc + (int64_t)table[b] * bs * row_stride;                                    \
         int64_t m = n - t0 < bs ? n - t0 : bs;                                                     \
-        for (int64_t t = 0; t < m; t++, k += row_stride) {                                         \
+        int64_t t = 0;                                                                             \
+        for (; t + 4 <= m; t += 4, k += 4 * row_stride) {                                          \
+            const KT *k1 = k + row_stride, *k2 = k1 + row_stride, *k3 = k2 + row_stride;           \
+            v8 a0 = q[0] * VLOAD(k), a1 = q[0] * VLOAD(k1), a2 = q[0] * VLOAD(k2),                 \
+               a3 = q[0] * VLOAD(k3);                                                              \
+            for (int j = 1; j < ND; j++) {                                                         \
+                a0 += q[j] * VLOAD(k + 8 * j); a1 += q[j] * VLOAD(k1 + 8 * j);                     \
+                a2 += q[j] * VLOAD(k2 + 8 * j); a3 += q[j] * VLOAD(k3 + 8 * j);                    \
+            }                                                                                      \
+            hsum4(a0, a1, a2, a3, scale, s + t0 + t);                                              \
+        }                                                                                          \
+        for (; t < m; t++, k += row_stride) {                                                      \
             v8 a = q[0] * VLOAD(k);                                                                \
             for (int j = 1; j < ND; j++) a += q[j] * VLOAD(k + 8 * j);                             \
             s[t0 + t] = hsum(a) * scale;                                                           \
