@@ -1,19 +1,28 @@
-"""Ray Serve scale-out, locally: the shim as ingress, 2 TritonReplica replicas of the tiny model.
+"""Ray Serve scale-out, locally: the shim as ingress, 2 TritonReplica replicas of the tiny model and
+one FallbackReplica (the same tiny checkpoint served as "tiny-lite": the lighter model's stand-in).
 
 Shows (a) a multi-turn conversation returns to the replica holding its KV (cached_tokens > 0 on
 follow-ups, prefix hits in that replica's own Triton metrics, the router counts "prefix"
-decisions), (c) streaming across the hop and a client hanging up mid-stream (the abort reaching
-the engine, through the tenant-scoped explicit abort), and (b) killing one replica's tritonserver: new requests still succeed and Ray
-replaces the replica. Sized for 2 cores: fractional CPUs, 2 replicas, short generations.
+decisions), (b) streaming across the hop and a client hanging up mid-stream (the abort reaching
+the engine, through the tenant-scoped explicit abort), (c) degradation: with the primary saturated,
+requests that opt in (``x-allow-fallback: 1``) are served by the fallback model within the
+queue-time threshold and say so, the others stay on the primary, and (d) failover under a
+16-stream load: one replica's tritonserver is killed; streams it had started end with an error
+event, every request that had not started completes on the other replica, and Ray replaces the
+dead replica, which then takes traffic. One Ray cluster and one app for the module; sized for 2
+cores: fractional CPUs, short generations.
 """
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import pathlib
 import shutil
 import signal
+import socket
 import tempfile
+import threading
 import time
 import urllib.request
 
@@ -26,6 +35,8 @@ from backend.serving.process_group import free_port  # noqa: E402
 from tests.conftest import E2E_ENGINE_OPTIONS, model_dir  # noqa: E402
 
 APP = "tllm"
+FALLBACK_MAX_ONGOING = 4            # primary ongoing requests per replica past which it is saturated
+FALLBACK_QUEUE_S = 5.0              # queue-time threshold: a degraded request is served within it
 SYSTEM = ("You are a careful assistant for the scale-out test. Answer briefly and stay on topic; "
           "this system prompt is long enough to fill several KV blocks of sixteen tokens each.")
 
@@ -75,7 +86,10 @@ def scaled():
         cfg = ScaleConfig(model_dir=str(model_dir("tiny")), engine_options=dict(E2E_ENGINE_OPTIONS),
                           replicas=2, replica_cpus=0.5, ingress_cpus=0.25, imbalance=4,
                           health_check_period_s=1.0, graceful_shutdown_s=5.0,
-                          shim={"model_name": "tiny"})
+                          fallback_model_dir=str(model_dir("tiny")),
+                          fallback_engine_options=dict(E2E_ENGINE_OPTIONS), fallback_replicas=1,
+                          fallback_max_ongoing=FALLBACK_MAX_ONGOING, fallback_queue_s=FALLBACK_QUEUE_S,
+                          fallback_model_name="tiny-lite", shim={"model_name": "tiny"})
         serve.run(build_app(cfg), name=APP, route_prefix="/", blocking=False)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
@@ -98,11 +112,13 @@ def scaled():
                     shutil.rmtree(d, ignore_errors=True)
 
 
-def _post(base: str, body: dict, timeout: float = 120) -> dict:
+def _post(base: str, body: dict, timeout: float = 120, headers: dict | None = None,
+          with_headers: bool = False):
     req = urllib.request.Request(f"{base}/v1/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read())
+        out = json.loads(r.read())
+        return (out, dict(r.headers.items())) if with_headers else out
 
 
 def _stats(base: str) -> dict:
@@ -179,21 +195,209 @@ def test_hanging_up_aborts_the_request_in_the_replicas_engine(scaled):
     assert gained >= 1, "the replica's engine never saw the abort"
 
 
-def test_killing_a_replicas_tritonserver_fails_over_and_is_replaced(scaled):
+
+
+def _sse(base: str, body: dict, rec: dict, *, headers: dict | None = None, timeout: float = 45,
+         stop: threading.Event | None = None) -> None:
+    """One streaming request; ``rec`` gets its outcome: "done" ([DONE] after a finish reason),
+    "error_event" (an SSE error event, then the stream ended), "http_<status>", "hang" (no byte
+    for ``timeout`` s), "eof" (ended without either), "stopped" (we hung up: ``stop`` set)."""
+    host, port = base.rsplit("/", 1)[1].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    rec.update(events=0, sent=time.monotonic())
+    try:
+        conn.request("POST", "/v1/chat/completions", json.dumps(body),
+                     {"Content-Type": "application/json", "Connection": "close", **(headers or {})})
+        resp = conn.getresponse()
+        rec["headers"] = dict(resp.getheaders())
+        if resp.status != 200:
+            rec["outcome"] = f"http_{resp.status}"
+            rec["body"] = resp.read()[:300]
+            return
+        while True:
+            if stop is not None and stop.is_set():
+                rec["outcome"] = "stopped"
+                return
+            line = resp.readline()                  # the body, de-chunked: b"" at its end
+            if not line:
+                rec.setdefault("outcome", "eof")
+                return
+            if line.startswith(b"data: [DONE]"):
+                rec["outcome"] = "done" if rec.get("finish") else "eof"
+                return
+            elif line.startswith(b"data: "):
+                ev = json.loads(line[6:])
+                if "error" in ev:
+                    rec["outcome"], rec["error"] = "error_event", ev["error"]   # the stream must end
+                    continue
+                rec.setdefault("first", time.monotonic())
+                rec["id"], rec["model"] = ev["id"], ev.get("model")
+                rec["events"] += 1
+                rec["finish"] = rec.get("finish") or any(c.get("finish_reason") for c in ev["choices"])
+    except (TimeoutError, OSError) as exc:
+        rec["outcome"] = "hang" if isinstance(exc, TimeoutError) else f"oserror {exc}"
+    finally:
+        rec["ended"] = time.monotonic()
+        conn.close()
+
+
+def _start(base: str, bodies: list[dict], **kw) -> tuple[list[dict], list[threading.Thread]]:
+    recs = [{} for _ in bodies]
+    threads = [threading.Thread(target=_sse, args=(base, b, r), kwargs=kw, daemon=True)
+               for b, r in zip(bodies, recs)]
+    for t in threads:
+        t.start()
+    return recs, threads
+
+
+def _wait(pred, timeout: float, what: str, step: float = 0.2) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(step)
+
+
+def _conv(i: int, tag: str, max_tokens: int) -> dict:
+    return {"model": "tiny", "stream": True, "max_tokens": max_tokens, "ignore_eos": True,
+            "temperature": 0, "messages": [{"role": "system", "content": SYSTEM + f" {tag} {i}."},
+                                           {"role": "user", "content": f"Tell me about item {i}."}]}
+
+
+def _hold(base: str, body: dict, rec: dict) -> None:
+    """A non-streaming request kept open (cheap for the ingress: one response); the main thread
+    hangs it up with ``rec["conn"].sock.shutdown``."""
+    host, port = base.rsplit("/", 1)[1].split(":")
+    conn = rec["conn"] = http.client.HTTPConnection(host, int(port), timeout=120)
+    try:
+        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        rec["status"] = conn.getresponse().status
+    except OSError as exc:
+        rec["status"] = f"closed: {type(exc).__name__}"
+    finally:
+        rec["ended"] = time.monotonic()
+
+
+def test_a_saturated_primary_degrades_only_requests_that_opt_in(scaled):
+    # 12 long requests open on 2 replicas: 6 per replica > FALLBACK_MAX_ONGOING saturates the primary
+    holds = [{} for _ in range(12)]
+    threads = [threading.Thread(target=_hold, args=(scaled, {**_conv(i, "Saturating", 900), "stream": False}, h),
+                                daemon=True) for i, h in enumerate(holds)]
+    for t in threads:
+        t.start()
+    try:
+        _wait(lambda: _stats(scaled)["ongoing_primary"] >= 12, 60, "the saturating requests to open", 0.5)
+        before = _stats(scaled)["fallbacks"].get("primary_saturated", 0)
+        quick = {"model": "tiny", "max_tokens": 8, "temperature": 0,
+                 "messages": [{"role": "user", "content": "Degrade me if you must."}]}
+        allow = {"x-allow-fallback": "1"}
+        degraded = []
+        for _ in range(3):
+            t0 = time.monotonic()
+            out, hdrs = _post(scaled, quick, headers=allow, with_headers=True)
+            degraded.append((time.monotonic() - t0, out, {k.lower(): v for k, v in hdrs.items()}))
+        for elapsed, out, hdrs in degraded:
+            assert out["model"] == "tiny-lite" and hdrs["x-served-model"] == "tiny-lite", (out, hdrs)
+            assert hdrs["x-fallback-reason"] == "primary_saturated"
+            assert out["choices"][0]["finish_reason"] == "length"
+            assert elapsed < FALLBACK_QUEUE_S, degraded            # served within the threshold
+        rec: dict = {}
+        _sse(scaled, {**quick, "stream": True}, rec, headers=allow)   # a stream degrades too
+        assert rec["outcome"] == "done" and rec["model"] == "tiny-lite", rec
+        assert rec["headers"].get("x-served-model") == "tiny-lite"
+        t0 = time.monotonic()
+        out, hdrs = _post(scaled, quick, with_headers=True)       # not opted in: waits on the primary
+        waited = time.monotonic() - t0
+        assert out["model"] == "tiny" and {k.lower(): v for k, v in hdrs.items()}["x-served-model"] == "tiny"
+        assert _stats(scaled)["fallbacks"].get("primary_saturated", 0) - before == 4
+        assert not any("ended" in h for h in holds), holds      # the primary stayed saturated throughout
+        print("degradation:", json.dumps({"fallback_s": [round(d[0], 2) for d in degraded],
+                                          "primary_not_opted_in_s": round(waited, 2)}))
+    finally:
+        for h in holds:
+            conn = h.get("conn")
+            if conn is not None and conn.sock is not None:
+                conn.sock.shutdown(socket.SHUT_RDWR)           # hang up: the shim aborts them
+        for t in threads:
+            t.join(30)
+    _wait(lambda: _stats(scaled)["ongoing_primary"] == 0, 30, "the hung-up requests to close", 0.5)
+    out = _post(scaled, {"model": "tiny", "max_tokens": 4, "temperature": 0,
+                         "messages": [{"role": "user", "content": "calm again"}]},
+                headers={"x-allow-fallback": "1"})
+    assert out["model"] == "tiny"                                 # no longer saturated: the primary
+
+
+def test_killing_a_replicas_tritonserver_under_a_16_stream_load(scaled):
+    """Failover: streams the dead server had started end with an error event (never hang); every
+    request that had not started completes on the other replica; Ray marks the replica unhealthy,
+    replaces it, and the new replica takes traffic."""
     from ray import serve
 
     servers = _replica_servers()
-    victim, info = sorted(servers.items())[0]
-    os.killpg(info["server_pid"], signal.SIGKILL)          # the server's own process group
-    outs = [_chat(scaled, [{"role": "system", "content": SYSTEM},
-                           {"role": "user", "content": f"after the kill {i}"}]) for i in range(6)]
-    assert all(o["choices"][0]["finish_reason"] in ("stop", "length") for o in outs)
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:                     # Ray replaces the unhealthy replica
+    assert len(servers) == 2, servers
+    bodies = [_conv(i, "Failover", 512) for i in range(16)]
+    recs, threads = _start(scaled, bodies)
+    _wait(lambda: sum("first" in r for r in recs) >= 12, 60, "the load to start streaming")
+    stats = _stats(scaled)
+    retries_before = sum(stats["retries"].values())
+    on = [stats["served"].get(r["id"]) for r in recs if "id" in r]
+    victim = max(servers, key=on.count)                    # the replica with more open streams
+    # The burst shares a long system prompt; the load bound (imbalance 4) still spreads it.
+    assert on.count(victim) <= 11, on
+    os.killpg(servers[victim]["server_pid"], signal.SIGKILL)   # the server's own process group
+    t_kill = time.monotonic()
+    # Right after the kill, before any health check: the same conversations again (affinity sends
+    # about half to the dead replica), none started yet.
+    recs2, threads2 = _start(scaled, [{**b, "max_tokens": 16} for b in bodies])
+    states: list[tuple[float, str, dict]] = []
+    t_replaced = None
+    while time.monotonic() - t_kill < 150:                 # Ray marks it unhealthy, then replaces it
+        dep = serve.status().applications[APP].deployments["TritonReplica"]
+        states.append((round(time.monotonic() - t_kill, 1), str(dep.status), dict(dep.replica_states)))
         now = _replica_servers()
-        st = serve.status().applications[APP].deployments["TritonReplica"]
-        if victim not in now and len(now) == 2 and st.replica_states.get("RUNNING", 0) == 2:
+        if victim not in now and len(now) == 2 and dep.replica_states.get("RUNNING", 0) == 2:
+            t_replaced = time.monotonic()
             break
-        time.sleep(2)
+        time.sleep(0.5)
+    for t in threads + threads2:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads + threads2), "a stream hung"
+    stats = _stats(scaled)
+    served = stats["served"]
+    started = [r for r in recs if r.get("first", t_kill + 1) < t_kill]
+    not_started = [r for r in recs if r not in started] + recs2
+    errored = [r for r in recs if r.get("outcome") == "error_event"]
+    summary = {"streams_on_victim": on.count(victim), "started_before_kill": len(started),
+               "error_events": len(errored),
+               "not_started": len(not_started),
+               "not_started_done": sum(r.get("outcome") == "done" for r in not_started),
+               "retries": sum(stats["retries"].values()) - retries_before,
+               "replaced_after_s": round(t_replaced - t_kill, 1) if t_replaced else None,
+               "states": [s for i, s in enumerate(states) if i == 0 or s[1:] != states[i - 1][1:]]}
+    print("failover:", json.dumps(summary))
+    assert t_replaced is not None, f"the dead replica was not replaced: {states[-3:]}"
+    for r in recs + recs2:
+        assert r.get("outcome") in ("done", "error_event"), r      # never a hang or a cut stream
+    assert errored, "the kill hit no open stream"
+    for r in errored:                                      # only streams the dead server had started
+        assert r in started and served.get(r["id"]) == victim, (r, served.get(r.get("id")))
+        assert r["error"]["type"] and r["error"]["message"]
+    assert all(r["outcome"] == "done" for r in not_started), not_started
+    assert all(served.get(r["id"]) != victim for r in recs2)
+    assert summary["retries"] >= 1, summary                # some were sent to the dead one first
+    assert any(s[2].get("RUNNING", 0) < 2 or "HEALTHY" != s[1].rsplit(".", 1)[-1] for s in states), states
+    new = next(iter(set(_replica_servers()) - set(servers)))
+    # The new replica takes traffic again. Raw prompts with distinct first blocks (a chat
+    # template's shared opening block would keep following the replica that holds it): an idle
+    # router spreads new prefixes by rendezvous hash over both replicas.
+    for i in range(24):
+        req = urllib.request.Request(
+            f"{scaled}/v1/completions", headers={"Content-Type": "application/json"},
+            data=json.dumps({"model": "tiny", "max_tokens": 4, "temperature": 0,
+                             "prompt": f"{i} {i} {i}: " + "a fresh prompt after the failover, " * 4}).encode())
+        with urllib.request.urlopen(req, timeout=60) as r:
+            out = json.loads(r.read())
+        if _stats(scaled)["served"][out["id"]] == new:
+            break
     else:
-        pytest.fail(f"the dead replica was not replaced: {_replica_servers()} {serve.status()}")
+        pytest.fail("the replacement replica took none of 24 new prompts")
