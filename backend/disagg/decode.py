@@ -62,9 +62,11 @@ class DecodeRole:
         self.stats.aborted_pending += 1
         return [_final(rec, "abort", None)]
 
-    def admit_pending(self) -> list[StepDelta]:
+    def admit_pending(self, limit: int | None = None) -> list[StepDelta]:
+        """Admit pending records in arrival order; at most ``limit`` per call (each costs a fetch
+        and a KV write before the next decode step: a burst spread over steps keeps ITL even)."""
         deltas: list[StepDelta] = []
-        for rid in list(self.pending):
+        for rid in list(self.pending)[:limit]:
             out = self._admit(self.pending[rid])
             if out is None:
                 break                                 # no room: keep order, retry next step

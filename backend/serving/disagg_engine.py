@@ -96,6 +96,9 @@ class PrefillEngine(_Wrapped):
         self.connector.close()
 
 
+ADMIT_PER_STEP = 2                  # hand-overs admitted per decode step while streams are running
+
+
 class DecodeEngine(_Wrapped):
     role_name = "decode"
 
@@ -121,7 +124,9 @@ class DecodeEngine(_Wrapped):
         return self._engine.has_unfinished() or bool(self.role.pending)
 
     def step(self) -> list[StepDelta]:
-        admitted = self.role.admit_pending() if self.role.pending else []
+        # a burst of records is admitted over several steps, so no single step stalls the streams
+        admitted = self.role.admit_pending(ADMIT_PER_STEP if self._engine.has_unfinished() else None) \
+            if self.role.pending else []
         if admitted:
             now = time.time()
             for d in admitted:
@@ -211,8 +216,10 @@ class RoleMetrics:
         self._depth = g("llm_disagg_queue_depth",
                         "Requests waiting in this role (decode: records not admitted + waiting)", lab)
         self._staged = g("llm_disagg_staged_transfers", "KV transfers staged here and not yet fetched", lab)
-        self._hist = factory.histogram(HANDOVER_SECONDS, "Prefill-side staging to the first token emitted "
-                                       "by the decode engine", lab, _HO_BUCKETS)
+        self._hist = None
+        if self.role == "decode":
+            self._hist = factory.histogram(HANDOVER_SECONDS, "Prefill-side staging to the first token "
+                                           "emitted by the decode engine", lab, _HO_BUCKETS)
         self._last: dict[str, float] = collections.defaultdict(float)
         self._interval = interval
         self._stop = threading.Event()
@@ -254,7 +261,7 @@ class RoleMetrics:
                 gauge.set(float(value))
                 self._last["g_" + name] = value
         ho = getattr(self.r, "handover_seconds", None)
-        while ho:
+        while ho and self._hist is not None:
             self._hist.observe(ho.popleft())
 
     def stop(self) -> None:

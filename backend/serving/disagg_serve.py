@@ -115,7 +115,14 @@ class DisaggServers:
 
         def start(server: TritonServer, done: threading.Event) -> None:
             try:
-                server.start()
+                try:
+                    server.start()
+                except ServerStartError as exc:
+                    # tritonserver 2.51 sometimes aborts while loading a Python stub on a heavily
+                    # loaded host (boost::interprocess::lock_exception); one more try
+                    if "lock_exception" not in str(exc):
+                        raise
+                    server.start()
             except BaseException as exc:        # noqa: BLE001 - reported below
                 errors.append(exc)
             finally:

@@ -1,0 +1,159 @@
+"""Disaggregated vs unified serving, side by side in one run, through real tritonservers (issue 21).
+
+    .venv/bin/python -m backend.disagg.bench_stack --preset bench-15m --seconds 30 --rounds 2
+
+Layouts, same two cores:
+  unified  one tritonserver, engine role=unified, torch num_threads=2, the process tree on cores A,B
+  disagg   a prefill tritonserver on core A and a decode tritonserver on core B (num_threads=1 each,
+           every thread of each tree pinned: backend/serving/disagg_serve.py pin_tree), KV over shm,
+           routed by client/disagg_client.py
+Workload (the engine model over gRPC, token ids in/out, greedy): ``--streams`` steady decode streams
+of ``--stream-tokens`` tokens each (restarted as they finish, so that many are always decoding),
+plus every ``--burst-every`` s a burst of ``--burst`` prompts of ``--burst-len`` tokens (distinct:
+no prefix hits) generating ``--burst-tokens`` each. Reported, after ``--warmup`` s: the steady
+streams' inter-token latency p50/p99 (per token: the gap between two responses / tokens in the
+later one), the bursts' TTFT p50/p99, generated tokens/s. Layouts alternate per round (A/B/A/B),
+all servers started up front; the bench client runs unpinned (same for both layouts).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import statistics
+import time
+
+from backend.serving.disagg_serve import DisaggServers, pin_tree
+from backend.serving.tritonserver import TritonServer
+from client.disagg_client import DisaggLLMClient
+from client.triton_client import TritonLLMClient
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+async def run_phase(client, a, seed: int) -> dict:
+    rng = random.Random(seed)
+    itl: list[float] = []
+    ttft: list[float] = []
+    tokens = 0
+    t_start = time.monotonic()
+    t_measure = t_start + a.warmup
+    t_end = t_measure + a.seconds
+
+    async def stream(k: int) -> None:
+        nonlocal tokens
+        n = 0
+        while time.monotonic() < t_end:
+            prompt = [rng.randrange(5, 3000) for _ in range(a.stream_prompt)]
+            params = {"max_tokens": a.stream_tokens, "min_tokens": a.stream_tokens, "temperature": 0,
+                      "ignore_eos": True}
+            last = None
+            agen = client.generate_ids(prompt, request_id=f"s{seed}-{k}-{n}", params=params)
+            try:
+                async for ch in agen:
+                    now = time.monotonic()
+                    m = len(ch.token_ids)
+                    if m and now >= t_measure and now < t_end:
+                        tokens += m
+                        if last is not None:
+                            itl.extend([(now - last) / m] * m)
+                    if m:
+                        last = now
+                    if now >= t_end:
+                        break
+            finally:
+                await agen.aclose()
+            n += 1
+
+    async def burst_one(i: int, j: int) -> None:
+        nonlocal tokens
+        prompt = [rng.randrange(5, 3000) for _ in range(a.burst_len)]
+        t0 = time.monotonic()
+        first = None
+        params = {"max_tokens": a.burst_tokens, "min_tokens": a.burst_tokens, "temperature": 0}
+        async for ch in client.generate_ids(prompt, request_id=f"b{seed}-{i}-{j}", params=params):
+            now = time.monotonic()
+            if ch.token_ids and first is None:
+                first = now - t0
+                if t_measure <= t0 < t_end:
+                    ttft.append(first)
+            if t_measure <= now < t_end:
+                tokens += len(ch.token_ids)
+
+    async def bursts() -> None:
+        i, tasks = 0, []
+        await asyncio.sleep(a.burst_every / 2)
+        while time.monotonic() < t_end - 1:
+            tasks += [asyncio.create_task(burst_one(i, j)) for j in range(a.burst)]
+            i += 1
+            await asyncio.sleep(a.burst_every)
+        await asyncio.gather(*tasks)
+
+    await asyncio.gather(bursts(), *(stream(k) for k in range(a.streams)))
+    await client.close()
+    return {"itl_p50": pct(itl, 0.5), "itl_p99": pct(itl, 0.99), "ttft_p50": pct(ttft, 0.5),
+            "ttft_p99": pct(ttft, 0.99), "tok_s": tokens / a.seconds, "n_itl": len(itl), "n_ttft": len(ttft)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="bench-15m")
+    ap.add_argument("--seconds", type=float, default=30.0)
+    ap.add_argument("--warmup", type=float, default=4.0)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument("--stream-prompt", type=int, default=32)
+    ap.add_argument("--stream-tokens", type=int, default=256)
+    ap.add_argument("--burst", type=int, default=4)
+    ap.add_argument("--burst-len", type=int, default=768)
+    ap.add_argument("--burst-tokens", type=int, default=16)
+    ap.add_argument("--burst-every", type=float, default=4.0)
+    ap.add_argument("--cpus", default="0:1", help="PREFILL:DECODE cores; unified gets both")
+    ap.add_argument("--connector", default="shm", choices=["shm", "tcp"])
+    a = ap.parse_args()
+    from backend.serving.disagg_serve import parse_cpus
+    from tests.conftest import model_dir
+
+    cpus = parse_cpus(a.cpus)
+    path = model_dir(a.preset)
+    opts = {"num_kv_blocks": "1024", "block_size": "16", "max_num_seqs": "32", "max_num_batched_tokens": "512",
+            "kv_connector": a.connector}
+    unified = TritonServer(path, engine_options={**opts, "num_threads": "2"}, quiet=True)
+    pair = DisaggServers(path, engine_options={**opts, "num_threads": "1"}, cpus=cpus, quiet=True)
+    try:
+        unified.start()
+        pin_tree(unified.proc.pid, cpus[0] | cpus[1])
+        pair.start()
+        results: dict[str, list[dict]] = {"unified": [], "disagg": []}
+        for r in range(a.rounds):
+            for layout in ("unified", "disagg"):
+                if layout == "unified":
+                    client = TritonLLMClient(unified.grpc_url)
+                else:
+                    client = DisaggLLMClient(pair.prefill.grpc_url, pair.decode.grpc_url)
+                res = asyncio.run(run_phase(client, a, seed=r))
+                results[layout].append(res)
+                print(f"round {r} {layout:8} " + " ".join(f"{k}={v:.4g}" for k, v in res.items()), flush=True)
+    finally:
+        unified.stop()
+        pair.stop()
+    print(f"\npreset={a.preset} streams={a.streams}x{a.stream_tokens} tok, bursts {a.burst}x{a.burst_len}-token "
+          f"prompts every {a.burst_every}s ({a.burst_tokens} tok each), {a.seconds}s x {a.rounds} rounds, "
+          f"cpus={a.cpus}, connector={a.connector}, host cores={os.cpu_count()}")
+    print("| layout | ITL p50 ms | ITL p99 ms | p99/p50 | burst TTFT p50 ms | TTFT p99 ms | tokens/s |")
+    print("|---|---|---|---|---|---|---|")
+    for layout, rs in results.items():
+        med = {k: statistics.median(x[k] for x in rs) for k in rs[0]}
+        print(f"| {layout} | {1e3 * med['itl_p50']:.1f} | {1e3 * med['itl_p99']:.1f} | "
+              f"{med['itl_p99'] / med['itl_p50']:.2f} | {1e3 * med['ttft_p50']:.0f} | {1e3 * med['ttft_p99']:.0f} | "
+              f"{med['tok_s']:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
