@@ -139,6 +139,8 @@ def make_fused_decoder(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tens
 
     if not enabled() or not isinstance(attention, TorchAttention) or model.cfg.head_dim % 2:
         return None
+    if getattr(model, "lm_head_q", None) is not None:     # a quantized lm_head (quant_lm_head)
+        return None
     linears = [m for m in model.modules() if m.__class__.__name__.endswith("Linear")]
     if any(type(m) is not Linear or not (_f32(m.weight) and _f32(m.bias)) for m in linears):
         return None                                       # quantized or not fp32 on CPU

@@ -51,6 +51,14 @@ typedef struct {
 } Model;
 
 static inline v8 ld(const float *p) { v8 x; memcpy(&x, p, sizeof x); return x; }
+
+/* Pin a loaded vector in a register: without it GCC folds the load into every FMA that uses it
+ * (a memory operand), reading each weight vector T times and each x vector R times per step. */
+#if defined(__x86_64__) && defined(__AVX__)
+#define IN_REG(v) __asm__("" : "+x"(v))
+#else
+#define IN_REG(v) ((void)0)
+#endif
 static inline float hsum(v8 a) {
     return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
 }
@@ -67,9 +75,10 @@ static void tile_##R##_##T(const float *x, int64_t K, const float *w, const floa
         if (pf && (k & 15) == 0)                                                                   \
             for (int r = 0; r < R; r++) __builtin_prefetch(pf + r * K + k);                        \
         v8 wv[R];                                                                                  \
-        for (int r = 0; r < R; r++) wv[r] = ld(w + r * K + k);                                     \
+        for (int r = 0; r < R; r++) { wv[r] = ld(w + r * K + k); IN_REG(wv[r]); }                 \
         for (int t = 0; t < T; t++) {                                                              \
             v8 xv = ld(x + t * K + k);                                                             \
+            IN_REG(xv);                                                                            \
             for (int r = 0; r < R; r++) a[r][t] += wv[r] * xv;                                     \
         }                                                                                          \
     }                                                                                              \
