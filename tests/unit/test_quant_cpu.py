@@ -2,7 +2,8 @@
 
 Tolerance: 1e-5 of max |reference| (fp32 products; only the summation order differs from BLAS).
 Shapes are odd on purpose: K not a multiple of 8, 32 or the group, N not a multiple of anything,
-M = 1 (decode), 2..5 (the row tiles' remainders), 300 (prefill: dequantize + BLAS).
+M = 1 (decode), 2..5, 8, 15, 29 (the 8 / 4 / 1..3-row tiles and their remainders), 300 (prefill:
+dequantize + BLAS).
 """
 import pytest
 import torch
@@ -12,7 +13,8 @@ from backend.quant.linear import QuantLinear
 
 pytestmark = pytest.mark.skipif(cpu.library() is None, reason="no C compiler: torch fallback only")
 
-SHAPES = [(1, 37, 100), (2, 37, 100), (3, 19, 77), (5, 64, 200), (16, 33, 576), (300, 70, 200)]
+SHAPES = [(1, 37, 100), (2, 37, 100), (3, 19, 77), (5, 64, 200), (8, 21, 100), (15, 40, 77), (16, 33, 576),
+          (29, 33, 200), (300, 70, 200)]
 
 
 @pytest.mark.parametrize("m,n,k", SHAPES)

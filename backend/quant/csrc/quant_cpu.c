@@ -15,8 +15,10 @@
  *
  * Why these loops: decode (M = 1..16) reads every weight once per step, so the kernel is bound by
  * weight bytes: int8 reads a quarter and int4 about a seventh of fp32. Each weight vector is
- * dequantized in registers (q * s, or q * s + (z - 8 s)) once and used for up to 4 activation rows
- * (MT), with NA independent accumulator chains per row so one row still hides the FMA latency.
+ * dequantized in registers (q * s, or q * s + (z - 8 s)) once and used for up to 8 activation rows
+ * (MT), with NA independent accumulator chains per row so that every tile keeps at least 4 (M < 8)
+ * or 8 FMA chains in flight. 8-row tiles (M >= 8) dequantize each weight half as often as 4-row
+ * ones and keep 8 chains busy: 1.1-1.4x at M = 8 and 16 (docs/quantization.md).
  * Scales are fp16 (raw uint16 here), widened once per group. Per-group partial sums with a
  * scale applied afterwards were tried first: with G = 32 their per-group bookkeeping cost more
  * than the multiply-adds.
@@ -63,6 +65,11 @@ static inline v8 i8_to_f32(const int8_t *p) {
 #endif
 }
 
+/* Activation rows per weight pass: 8 while at least 8 are left (each dequantized weight vector
+ * feeds 8 FMA chains, and is dequantized half as often as with 4-row tiles), then 4, then 1..3. */
+#define MT_MAX 8
+static inline int64_t m_tile(int64_t left) { return left >= 8 ? 8 : left >= 4 ? 4 : left; }
+
 /* ---- int8 ------------------------------------------------------------------------------------- */
 
 #define W8_ROWS(MT, NA)                                                                            \
@@ -99,7 +106,8 @@ static void w8_rows_##MT(const float *x, int64_t ldx, const int8_t *w, const uin
 W8_ROWS(1, 4)
 W8_ROWS(2, 2)
 W8_ROWS(3, 1)
-W8_ROWS(4, 1)
+W8_ROWS(4, 2)
+W8_ROWS(8, 1)
 
 void w8_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *w, const uint16_t *scales,
              int64_t G, const float *bias, int64_t N, float *y, int64_t ldy, int nthreads) {
@@ -108,15 +116,16 @@ void w8_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *w,
     for (int64_t n = 0; n < N; n++) {
         const int8_t *wr = w + n * K;
         const uint16_t *sc = scales + n * ng;
-        float acc[4];
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-            int64_t mt = M - m0 < 4 ? M - m0 : 4;
+        float acc[MT_MAX];
+        for (int64_t m0 = 0, mt; m0 < M; m0 += mt) {
+            mt = m_tile(M - m0);
             const float *xm = x + m0 * ldx;
             switch (mt) {
                 case 1: w8_rows_1(xm, ldx, wr, sc, K, G, acc); break;
                 case 2: w8_rows_2(xm, ldx, wr, sc, K, G, acc); break;
                 case 3: w8_rows_3(xm, ldx, wr, sc, K, G, acc); break;
-                default: w8_rows_4(xm, ldx, wr, sc, K, G, acc); break;
+                case 4: w8_rows_4(xm, ldx, wr, sc, K, G, acc); break;
+                default: w8_rows_8(xm, ldx, wr, sc, K, G, acc); break;
             }
             for (int64_t m = 0; m < mt; m++)
                 y[(m0 + m) * ldy + n] = acc[m] + (bias ? bias[n] : 0.f);
@@ -192,7 +201,8 @@ static void w4_rows_##MT(const float *x, int64_t ldx, const uint8_t *w, const ui
 W4_ROWS(1, 4)
 W4_ROWS(2, 2)
 W4_ROWS(3, 1)
-W4_ROWS(4, 1)
+W4_ROWS(4, 2)
+W4_ROWS(8, 1)
 
 void w4_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, const uint16_t *scales,
              const uint16_t *zeros, int64_t G, const float *bias, int64_t N, float *y, int64_t ldy,
@@ -202,15 +212,16 @@ void w4_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *wr = w + n * kb * 16;
         const uint16_t *sc = scales + n * ng, *zr = zeros + n * ng;
-        float acc[4];
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-            int64_t mt = M - m0 < 4 ? M - m0 : 4;
+        float acc[MT_MAX];
+        for (int64_t m0 = 0, mt; m0 < M; m0 += mt) {
+            mt = m_tile(M - m0);
             const float *xm = x + m0 * ldx;
             switch (mt) {
                 case 1: w4_rows_1(xm, ldx, wr, sc, zr, K, G, acc); break;
                 case 2: w4_rows_2(xm, ldx, wr, sc, zr, K, G, acc); break;
                 case 3: w4_rows_3(xm, ldx, wr, sc, zr, K, G, acc); break;
-                default: w4_rows_4(xm, ldx, wr, sc, zr, K, G, acc); break;
+                case 4: w4_rows_4(xm, ldx, wr, sc, zr, K, G, acc); break;
+                default: w4_rows_8(xm, ldx, wr, sc, zr, K, G, acc); break;
             }
             for (int64_t m = 0; m < mt; m++)
                 y[(m0 + m) * ldy + n] = acc[m] + (bias ? bias[n] : 0.f);
