@@ -38,10 +38,13 @@ def prompts(n: int = 20) -> list[str]:
 
 
 def parse_spec(spec: str) -> dict:
-    """``int4@128:bfloat16`` -> engine options (method, then @group size, then :dtype)."""
+    """``int4@128:bfloat16`` -> engine options (method, then @group size, then :dtype); a ``+head``
+    after the method also quantizes the LM head (``int8+head``: quant_lm_head)."""
     rest, _, dtype = spec.partition(":")
-    method, _, group = rest.partition("@")
-    return {"quantization": method, "dtype": dtype or "float32", "quant_group_size": int(group or 32)}
+    head = rest.endswith("+head") or "+head@" in rest
+    method, _, group = rest.replace("+head", "").partition("@")
+    return {"quantization": method, "dtype": dtype or "float32", "quant_group_size": int(group or 32),
+            "quant_lm_head": head}
 
 
 def _runner(model: str, spec: str):

@@ -166,6 +166,7 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = cfg
         self.model = LlamaModel(cfg)
         self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
+        self.lm_head_q = None       # a QuantLinear copy of the head (engine option quant_lm_head)
         self.rotary = rotary
 
     def lm_head_weight(self) -> torch.Tensor:
@@ -186,5 +187,7 @@ class LlamaForCausalLM(nn.Module):
             # Norm and lm_head are per row: run them on the wanted rows only.
             h = h.index_select(0, logits_indices)
         h = self.model.norm.forward(h)
+        if self.lm_head_q is not None:          # quant_lm_head (backend/quant/apply.py)
+            return self.lm_head_q(h).float()
         # The matmul stays in the model dtype (as in transformers); the result is upcast to fp32.
         return F.linear(h, self.lm_head_weight()).float()

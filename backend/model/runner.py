@@ -56,12 +56,14 @@ class ModelRunner:
         self.config = cfg = load_model_config(model_dir)
         max_len = model_max_len(cfg, args)
         self.model = load_model(model_dir, cfg, dtype=self.dtype, device=self.device, max_positions=max_len,
-                                quantization=args.quantization, quant_group_size=args.quant_group_size)
+                                quantization=args.quantization, quant_group_size=args.quant_group_size,
+                                quant_lm_head=args.quant_lm_head)
         q = self.model.quantization
         logging.getLogger("triton_llm.model").info(
             "loaded %s: dtype %s, quantization %s%s, weights %.1f MiB", model_dir,
             str(self.dtype).removeprefix("torch."), q["method"],
-            f" (group {q['group_size']})" if q["group_size"] else "", q["weight_bytes"] / 2**20)
+            (f" (group {q['group_size']})" if q["group_size"] else "") + (", LM head too" if q.get("lm_head") else ""),
+            q["weight_bytes"] / 2**20)
         self.attention = make_attention_backend(args.attention_backend, self.device)
 
         shape = dict(num_layers=cfg.num_layers, block_size=args.block_size, num_kv_heads=cfg.num_kv_heads,

@@ -76,14 +76,28 @@ def quantize_model(model: nn.Module, method: str, group_size: int) -> None:
         del lin
 
 
-def finish_load(model: nn.Module, model_dir, quantization: str, group_size: int) -> None:
-    """The loader's hook: quantize a float checkpoint when asked; check a quantized one."""
+def _head_method(model_dir, quantization: str, group_size: int, qc: dict | None) -> tuple[str, int]:
+    """(method, group) for quant_lm_head: the engine's quantization, else the checkpoint's."""
+    if quantization != "none":
+        return quantization, group_size
+    if qc is not None:
+        return method_of(qc), int(qc["group_size"])
+    raise ValueError("quant_lm_head needs quantization=int8 or int4 (or a quantized checkpoint)")
+
+
+def finish_load(model: nn.Module, model_dir, quantization: str, group_size: int, lm_head: bool = False) -> None:
+    """The loader's hook: quantize a float checkpoint when asked; check a quantized one; with
+    ``lm_head``, add a quantized copy of the LM head (``model.lm_head_q``: the embedding lookup of
+    a tied head keeps the float table, the logits matmul reads the quantized copy)."""
     qc = checkpoint_quant_config(model_dir)
     if qc is None:
         quantize_model(model, quantization, group_size)
     elif quantization not in ("none", method_of(qc)):
         raise ValueError(f"{model_dir} is already quantized ({method_of(qc)}); "
                          f"quantization={quantization} cannot apply (use none or {method_of(qc)})")
+    if lm_head:
+        method, group = _head_method(model_dir, quantization, group_size, qc)
+        model.lm_head_q = QuantLinear.from_quant(quantize(model.lm_head_weight().data, method, group), None)
     model.quantization = summary(model)
 
 
@@ -94,11 +108,11 @@ def summary(model: nn.Module) -> dict:
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     return {"method": methods.pop() if len(methods) == 1 else ("mixed" if methods else "none"),
             "group_size": groups.pop() if len(groups) == 1 else None,
-            "weight_bytes": nbytes}
+            "weight_bytes": nbytes, "lm_head": getattr(model, "lm_head_q", None) is not None}
 
 
 def planned_summary(model_dir: str | pathlib.Path, *, dtype: torch.dtype, quantization: str = "none",
-                    group_size: int = 32) -> dict:
+                    group_size: int = 32, lm_head: bool = False) -> dict:
     """What :func:`summary` will say of the model ``load_model`` builds from ``model_dir`` with these
     options, without reading a weight: the same modules on the meta device, sized with the dtypes
     the loader materializes. generate_repository() writes it into the engine's config, which is
@@ -122,6 +136,10 @@ def planned_summary(model_dir: str | pathlib.Path, *, dtype: torch.dtype, quanti
                 n, k = lin.weight.shape
                 g = k if quantization == "int8" else group_size     # int8: per output channel
                 setattr(parent, attr, QuantLinear(k, n, lin.bias is not None, quantization, g))
+        if lm_head:
+            method, group = _head_method(model_dir, quantization, group_size, qc)
+            vocab, hidden = model.lm_head_weight().shape
+            model.lm_head_q = QuantLinear(hidden, vocab, False, method, hidden if method == "int8" else group)
     seen: set[int] = set()
     nbytes = 0
     for module in model.modules():
@@ -142,7 +160,8 @@ def reported_parameters(model_dir: str | pathlib.Path, args) -> dict[str, str]:
     from backend.model.loader import parse_dtype
 
     dtype = parse_dtype(args.dtype, args.device)
-    s = planned_summary(model_dir, dtype=dtype, quantization=args.quantization, group_size=args.quant_group_size)
+    s = planned_summary(model_dir, dtype=dtype, quantization=args.quantization, group_size=args.quant_group_size,
+                        lm_head=args.quant_lm_head)
     return {P.WEIGHTS_DTYPE: str(dtype).removeprefix("torch."), P.WEIGHTS_QUANTIZATION: s["method"],
             P.WEIGHTS_GROUP_SIZE: "" if s["group_size"] is None else str(s["group_size"]),
             P.WEIGHT_BYTES: str(s["weight_bytes"])}

@@ -33,6 +33,26 @@ def test_planned_summary_is_the_loaded_models(method, dtype):
     assert loaded["method"] == method
 
 
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_lm_head_is_a_copy_and_stays_close(method):
+    """quant_lm_head: tiny's tied head gets a QuantLinear copy (the embedding table stays fp32 for
+    the lookup); the logits stay near the float-head model's; planned bytes = loaded bytes."""
+    d = model_dir("tiny")
+    cfg = load_model_config(d)
+    plain = load_model(d, cfg, dtype=torch.float32, quantization=method)
+    head = load_model(d, cfg, dtype=torch.float32, quantization=method, quant_lm_head=True)
+    assert plain.lm_head_q is None and head.lm_head_q.method == method
+    assert head.model.embed_tokens.dtype == torch.float32
+    assert head.quantization == planned_summary(d, dtype=torch.float32, quantization=method, lm_head=True)
+    assert head.quantization["lm_head"] and not plain.quantization["lm_head"]
+    h = torch.randn(3, cfg.hidden_size)
+    ref = torch.nn.functional.linear(h, plain.lm_head_weight())
+    got = head.lm_head_q(h)
+    assert (got - ref).abs().max() <= (0.02 if method == "int8" else 0.2) * ref.abs().max()
+    with pytest.raises(ValueError, match="quant_lm_head needs"):
+        load_model(d, cfg, dtype=torch.float32, quant_lm_head=True)
+
+
 def test_planned_summary_refuses_what_the_loader_refuses():
     with pytest.raises(ValueError, match="quantization must be"):
         planned_summary(model_dir("tiny"), dtype=torch.float32, quantization="int3")
