@@ -28,7 +28,9 @@ class SeqChunk:
 
 
 def build_batch(chunks: list[SeqChunk], block_size: int, device: str | torch.device = "cpu") -> BatchInput:
-    """All host lists first, then one tensor each: one host-to-device copy per field per step."""
+    """All host lists first, then two tensors (the int64 fields, the int32 fields) that every field
+    is a view of: one host-to-device copy per dtype per step, and ~6 fewer tensor constructions
+    (each ~10-20 us, felt when a whole decode step of a small model takes ~2 ms)."""
     ids, positions, slots, cu, seq_lens, logits = [], [], [], [0], [], []
     for c in chunks:
         n = len(c.token_ids)
@@ -45,19 +47,23 @@ def build_batch(chunks: list[SeqChunk], block_size: int, device: str | torch.dev
         if c.logits:
             logits.extend(range(row0, row0 + n) if c.all_logits else [row0 + n - 1])
     width = max(len(c.block_table) for c in chunks)
-    tables = [c.block_table + [0] * (width - len(c.block_table)) for c in chunks]
-
-    def t(values, dtype):
-        return torch.tensor(values, dtype=dtype, device=device)
-
+    tables = []
+    for c in chunks:
+        tables += c.block_table
+        tables += [0] * (width - len(c.block_table))
+    n, s = len(ids), len(chunks)
+    wide = torch.tensor(ids + positions + slots + logits, dtype=torch.int64)
+    narrow = torch.tensor(cu + seq_lens + tables, dtype=torch.int32)
+    if torch.device(device).type != "cpu":
+        wide, narrow = wide.to(device), narrow.to(device)
     return BatchInput(
-        input_ids=t(ids, torch.int64),
-        positions=t(positions, torch.int64),
-        slot_mapping=t(slots, torch.int64),
-        cu_seqlens_q=t(cu, torch.int32),
-        seq_lens=t(seq_lens, torch.int32),
-        block_tables=t(tables, torch.int32),
-        logits_indices=t(logits, torch.int64),
+        input_ids=wide[:n],
+        positions=wide[n:2 * n],
+        slot_mapping=wide[2 * n:3 * n],
+        cu_seqlens_q=narrow[:s + 1],
+        seq_lens=narrow[s + 1:2 * s + 1],
+        block_tables=narrow[2 * s + 1:].view(s, width),
+        logits_indices=wide[3 * n:],
         max_seqlen_q=max(len(c.token_ids) for c in chunks),
         max_seq_len=max(seq_lens),
     )
