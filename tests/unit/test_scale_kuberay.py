@@ -6,6 +6,7 @@ import dataclasses
 import importlib
 import pathlib
 
+import pytest
 import yaml
 
 from backend.scale.app import ScaleConfig
@@ -60,6 +61,25 @@ def test_cli_replicas_flags_make_a_scale_config():
     assert cfg.fallback_model_dir == "small" and cfg.fallback_tenants == ["*"] and cfg.prefix_routing
     plain = build_parser().parse_args(["serve", "--model", "m"])
     assert plain.replicas is None                                # plain serve never touches Ray
+
+
+def test_pod_templates_are_valid_kubernetes_objects():
+    """kubernetes-validate (offline Kubernetes schemas) on the head and worker pod templates, as
+    PodTemplate objects: it has no schema for KubeRay's RayService CRD itself (our rules above)."""
+    kv = pytest.importorskip("kubernetes_validate")
+    doc, _ = _load()
+    with pytest.raises(kv.SchemaNotFoundError):
+        kv.validate(doc, "1.30", strict=True)                # a custom resource: checked by our rules
+    rc = doc["spec"]["rayClusterConfig"]
+    groups = [("head", rc["headGroupSpec"])] + [(w["groupName"], w) for w in rc["workerGroupSpecs"]]
+    for name, group in groups:
+        obj = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": f"triton-llm-{name}"},
+               "template": group["template"]}
+        kv.validate(obj, "1.30", strict=True)                # raises ValidationError on a bad field
+    broken = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "broken"},
+              "template": {"spec": {"containers": [{"name": "c", "image": "i", "resource": {}}]}}}
+    with pytest.raises(kv.ValidationError):                  # the validator does catch a typo
+        kv.validate(broken, "1.30", strict=True)
 
 
 def _pinned(name: str) -> str:
