@@ -1,0 +1,89 @@
+"""The engine model's role wrappers (backend/serving/disagg_engine.py) without Triton: a prefill
+EngineLoop ends a request with the hand-over delta, a DecodeLoop continues it from the record to
+the unified engine's output, and aborts after the hand-over release the staged KV."""
+from __future__ import annotations
+
+import json
+import queue
+
+import pytest
+
+from backend.config import EngineArgs
+from backend.engine.engine_loop import EngineLoop
+from backend.engine.llm_engine import LLMEngine
+from backend.errors import EngineError
+from backend.sampling_params import SamplingParams
+from backend.serving.disagg_engine import DecodeLoop, HandoverDelta, build_role
+from backend.serving.responses import engine_outputs
+from tests.conftest import model_dir
+
+PROMPT = [(7 * i) % 3000 + 5 for i in range(70)]
+PARAMS = SamplingParams(temperature=0, max_tokens=12, min_tokens=12)
+
+
+def _args(role: str) -> EngineArgs:
+    return EngineArgs(num_kv_blocks=64, block_size=16, max_num_batched_tokens=256, num_threads=1, role=role)
+
+
+@pytest.fixture(scope="module")
+def loops():
+    built = {}
+    for role in ("prefill", "decode"):
+        args = _args(role)
+        engine, loop_cls = build_role(LLMEngine(model_dir("tiny"), args), args)
+        built[role] = loop_cls(engine)
+    yield built
+    for loop in built.values():
+        loop.shutdown(drain=False, timeout=2)
+        loop.engine.close_role()
+
+
+def _drain(q: queue.Queue, timeout: float = 60.0) -> list:
+    out = []
+    while True:
+        d = q.get(timeout=timeout)
+        out.append(d)
+        if d.finished:
+            return out
+
+
+def _unified_tokens() -> list[int]:
+    eng = LLMEngine(model_dir("tiny"), _args("unified"))
+    eng.add_request("u", PROMPT, PARAMS)
+    toks = []
+    while eng.has_unfinished():
+        for d in eng.step():
+            toks += d.new_token_ids
+    return toks
+
+
+def test_prefill_hands_over_and_decode_continues_to_the_unified_output(loops):
+    pre, dec = loops["prefill"], loops["decode"]
+    q: queue.Queue = queue.Queue()
+    pre.submit("r1", PROMPT, PARAMS, sink=q)
+    (final,) = _drain(q)
+    assert isinstance(final, HandoverDelta) and final.finish_reason == "handover" and final.new_token_ids == []
+    assert json.loads(engine_outputs(final)["metrics"][0])["handover"] == final.handover   # on the wire
+    assert pre.stats().kv_usage == 0 and pre.engine.connector.num_staged() == 1           # pool freed, KV staged
+    with pytest.raises(EngineError, match="differs from input_ids"):
+        dec.submit("r1", PROMPT[:-1], PARAMS, sink=q, handover=final.handover)
+    dec.submit("r1", PROMPT, PARAMS, sink=q, handover=final.handover)
+    got = [t for d in _drain(q) for t in d.new_token_ids]
+    assert got == _unified_tokens()
+    assert dec.engine.role.stats.admitted == 1 and dec.engine.role.stats.recomputed == 0
+
+
+def test_abort_after_the_hand_over_releases_the_staged_kv(loops):
+    pre = loops["prefill"]
+    q: queue.Queue = queue.Queue()
+    pre.submit("r2", PROMPT[::-1], PARAMS, sink=q)
+    _drain(q)
+    assert pre.engine.connector.num_staged() >= 1
+    staged = pre.engine.connector.num_staged()
+    assert pre.abort("r2").result(timeout=10) is not None          # found: its staged KV released
+    assert pre.engine.connector.num_staged() == staged - 1
+    assert pre.abort("r2").result(timeout=10) is None              # once
+
+
+def test_a_unified_loop_takes_no_records():
+    assert not getattr(EngineLoop, "accepts_handover", False) and DecodeLoop.accepts_handover
