@@ -58,7 +58,8 @@ class ShimIngress:
             routers = [m.snapshot() for m in metrics_mod.LIVE]
             return {"routers": routers, "fallbacks": client.metrics.snapshot()["fallbacks"],
                     "served": dict(client.served), "retries": dict(client.retries), "ongoing_primary": client.ongoing,
-                    "primary_queue_time_s": round(client.queue_time.current(), 3)}
+                    "primary_queue_time_s": round(client.queue_time.current(), 3),
+                    "running_primaries": client._healthy}
 
         return app
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from typing import AsyncIterator
 
@@ -60,6 +61,7 @@ class ServeClient:
         self.served: dict[str, str] = {}             # last few request id -> replica (tests, stats)
         self.queue_time = QueueTimeTracker()         # the primary's recent engine queue time
         self.retries: Counter[str] = Counter()       # failover retries before the first chunk, by cause
+        self._healthy, self._healthy_at = 1, float("-inf")   # running primary replicas, cached
 
     def generate(self, prompt: str | None = None, messages: list[dict] | None = None, *,
                  request_id: str | None = None, params: dict | None = None,
@@ -92,7 +94,16 @@ class ServeClient:
             return self.fallback, reason
         return self.primary, None
 
-    async def _healthy_primaries(self) -> int:
+    async def _healthy_primaries(self, ttl_s: float = 1.0) -> int:
+        """Running primary replicas (Serve's status, asked at most once per ``ttl_s`` and off the
+        event loop: ``serve.status()`` is a blocking call to the controller)."""
+        now = time.monotonic()
+        if now - self._healthy_at > ttl_s:
+            self._healthy_at = now
+            self._healthy = await asyncio.to_thread(self._read_healthy)
+        return self._healthy
+
+    def _read_healthy(self) -> int:
         try:
             from ray import serve
             status = serve.status()

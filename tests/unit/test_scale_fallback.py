@@ -159,3 +159,14 @@ def test_rename_sse_keeps_non_json_lines():
     chunk = b'data: {"id":"x","model":"tiny","choices":[]}\n\ndata: [DONE]\n\n'
     out = rename_sse(chunk, "lite")
     assert json.loads(out.split(b"\n")[0][6:])["model"] == "lite" and out.endswith(b"data: [DONE]\n\n")
+
+
+def test_the_running_replica_count_is_read_at_most_once_per_ttl():
+    import asyncio
+
+    client = ServeClient(FakeHandle("TritonReplica", "primary"))
+    reads = []
+    client._read_healthy = lambda: reads.append(1) or 2
+    assert asyncio.run(client._healthy_primaries()) == 2
+    assert asyncio.run(client._healthy_primaries()) == 2 and len(reads) == 1   # cached
+    assert asyncio.run(client._healthy_primaries(ttl_s=0.0)) == 2 and len(reads) == 2
