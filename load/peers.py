@@ -107,7 +107,8 @@ def quant_weights(gguf: pathlib.Path, ours_dir: pathlib.Path, opts: dict) -> dic
     from backend.quant.apply import planned_summary
 
     s = planned_summary(ours_dir, dtype=torch.float32, quantization=opts.get("quantization", "none"),
-                        group_size=int(opts.get("quant_group_size", 32)))
+                        group_size=int(opts.get("quant_group_size", 32)),
+                        lm_head=str(opts.get("quant_lm_head", "")).lower() in ("1", "true", "yes", "on"))
     return {"gguf_file_bytes": gguf.stat().st_size, "ours_weight_bytes": s["weight_bytes"],
             "ours_method": s["method"], "ours_group_size": s["group_size"], "ours_dir": str(ours_dir)}
 

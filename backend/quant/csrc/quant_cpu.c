@@ -18,7 +18,10 @@
  * dequantized in registers (q * s, or q * s + (z - 8 s)) once and used for up to 8 activation rows
  * (MT), with NA independent accumulator chains per row so that every tile keeps at least 4 (M < 8)
  * or 8 FMA chains in flight. 8-row tiles (M >= 8) dequantize each weight half as often as 4-row
- * ones and keep 8 chains busy: 1.1-1.4x at M = 8 and 16 (docs/quantization.md).
+ * ones and keep 8 chains busy: 1.1-1.4x at M = 8 and 16 (docs/quantization.md). int8 at M >= 8
+ * goes one step further (w8_pair_4): two weight rows x 4 activation rows, so each x vector loaded
+ * feeds two FMAs (loads, not FMAs, bound the one-row tiles): another 1.15-1.5x at M = 16. The same
+ * pairing for int4 spilled registers (two unpacked blocks + 8 accumulators) and was slower.
  * Scales are fp16 (raw uint16 here), widened once per group. Per-group partial sums with a
  * scale applied afterwards were tried first: with G = 32 their per-group bookkeeping cost more
  * than the multiply-adds.
@@ -109,9 +112,66 @@ W8_ROWS(3, 1)
 W8_ROWS(4, 2)
 W8_ROWS(8, 1)
 
+/* Two weight rows x 4 activation rows: each x vector loaded feeds 2 FMAs and each dequantized
+ * weight vector 4 (8 chains); used for M >= 8, where the kernel is compute-bound. */
+static void w8_pair_4(const float *x, int64_t ldx, const int8_t *w0, const int8_t *w1,
+                      const uint16_t *sc0, const uint16_t *sc1, int64_t K, int64_t G, float *acc0,
+                      float *acc1) {
+    v8 a0[4] = {{0}}, a1[4] = {{0}};
+    float t0[4] = {0}, t1[4] = {0};
+    for (int64_t k0 = 0, g = 0; k0 < K; k0 += G, g++) {
+        int64_t k1 = k0 + G < K ? k0 + G : K, k = k0;
+        float s0 = h2f(sc0[g]), s1 = h2f(sc1[g]);
+        v8 sv0 = (v8){0} + s0, sv1 = (v8){0} + s1;
+        for (; k + 8 <= k1; k += 8) {
+            v8 u0 = i8_to_f32(w0 + k) * sv0, u1 = i8_to_f32(w1 + k) * sv1;
+            for (int m = 0; m < 4; m++) {
+                v8 xv = ld8(x + m * ldx + k);
+                a0[m] += xv * u0;
+                a1[m] += xv * u1;
+            }
+        }
+        for (; k < k1; k++)
+            for (int m = 0; m < 4; m++) {
+                t0[m] += x[m * ldx + k] * ((float)w0[k] * s0);
+                t1[m] += x[m * ldx + k] * ((float)w1[k] * s1);
+            }
+    }
+    for (int m = 0; m < 4; m++) {
+        acc0[m] = hsum(a0[m]) + t0[m];
+        acc1[m] = hsum(a1[m]) + t1[m];
+    }
+}
+
 void w8_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *w, const uint16_t *scales,
              int64_t G, const float *bias, int64_t N, float *y, int64_t ldy, int nthreads) {
     int64_t ng = (K + G - 1) / G;
+    if (M >= 8) {                    /* pairs of weight rows x 4-row tiles; the rest row by row */
+        int64_t m4 = M & ~(int64_t)3, np = N / 2;
+        #pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (int64_t p = 0; p < np + (N & 1); p++) {
+            int64_t n = 2 * p;
+            if (p < np) {
+                float acc0[4], acc1[4];
+                for (int64_t m0 = 0; m0 < m4; m0 += 4) {
+                    w8_pair_4(x + m0 * ldx, ldx, w + n * K, w + (n + 1) * K, scales + n * ng,
+                              scales + (n + 1) * ng, K, G, acc0, acc1);
+                    for (int m = 0; m < 4; m++) {
+                        y[(m0 + m) * ldy + n] = acc0[m] + (bias ? bias[n] : 0.f);
+                        y[(m0 + m) * ldy + n + 1] = acc1[m] + (bias ? bias[n + 1] : 0.f);
+                    }
+                }
+            } else {                                 /* the odd last row */
+                float acc[MT_MAX];
+                for (int64_t m0 = 0; m0 < m4; m0 += 4) {
+                    w8_rows_4(x + m0 * ldx, ldx, w + n * K, scales + n * ng, K, G, acc);
+                    for (int m = 0; m < 4; m++) y[(m0 + m) * ldy + n] = acc[m] + (bias ? bias[n] : 0.f);
+                }
+            }
+        }
+        if (m4 == M) return;
+        x += m4 * ldx; y += m4 * ldy; M -= m4;       /* 1..3 rows left: the loop below */
+    }
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const int8_t *wr = w + n * K;
