@@ -95,6 +95,10 @@ DEFINE_TILE(4, 1) DEFINE_TILE(4, 2) DEFINE_TILE(3, 3) DEFINE_TILE(2, 4)
 DEFINE_TILE(1, 1) DEFINE_TILE(1, 2) DEFINE_TILE(1, 3) DEFINE_TILE(1, 4)
 
 #define ROW_BLOCK 32   /* weight rows per work item: a thread's share stays contiguous */
+/* Threads only for calls of at least this many multiply-adds (~0.1 ms on one core): a parallel
+ * region ends in a barrier, and on a shared host the other thread is often descheduled -- with
+ * a region per linear at M = 1, two threads made bench-15m's step ~50x slower under load. */
+#define PAR_MIN_MACS (1 << 22)
 
 /* y [M, N] (+)= x [M, K] W^T + bias;  x, y contiguous; acc: add into y (the residual). */
 static void linear(const Model *m, const float *x, int64_t M, int64_t K, const float *W,
@@ -110,7 +114,8 @@ static void linear(const Model *m, const float *x, int64_t M, int64_t K, const f
         return;
     }
     const int64_t nblocks = (N + ROW_BLOCK - 1) / ROW_BLOCK;
-#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
+    const int par = nt > 1 && M * N * K >= PAR_MIN_MACS;
+#pragma omp parallel for schedule(static) num_threads(nt) if (par)
     for (int64_t blk = 0; blk < nblocks; blk++) {
         const int64_t n0 = blk * ROW_BLOCK, n1 = n0 + ROW_BLOCK < N ? n0 + ROW_BLOCK : N;
         int64_t n = n0;
@@ -191,6 +196,9 @@ int decode_forward(const Model *m, int64_t M, const int64_t *ids, const int64_t 
     if (!rows || !seq) { free(rows); free(seq); return -1; }
     for (int64_t i = 0; i < M; i++) { rows[i] = i; seq[i] = (int32_t)i; }
     for (int64_t i = 0; i < M; i++) memcpy(h + i * H, m->embed + ids[i] * H, sizeof(float) * (size_t)H);
+    int64_t att_macs = 0;          /* per layer: q.k and p.v over every context */
+    for (int64_t i = 0; i < M; i++) att_macs += 2 * (int64_t)ctx[i] * q;
+    const int par_att = nt > 1 && M > 1 && att_macs >= PAR_MIN_MACS;
     int rc = 0;
     for (int64_t l = 0; l < m->num_layers && rc == 0; l++) {
         for (int64_t i = 0; i < M; i++) rmsnorm(h + i * H, m->ln1[l], H, m->eps, xn + i * H);
@@ -203,7 +211,7 @@ int decode_forward(const Model *m, int64_t M, const int64_t *ids, const int64_t 
             for (int64_t hd = 0; hd < hkv; hd++) rope(r + q + hd * D, c, s, half, kc + hd * D);
             memcpy(vc, r + q + kv, sizeof(float) * (size_t)kv);
         }
-#pragma omp parallel for schedule(dynamic) num_threads(nt) if (nt > 1 && M > 1) reduction(| : rc)
+#pragma omp parallel for schedule(dynamic) num_threads(nt) if (par_att) reduction(| : rc)
         for (int64_t i = 0; i < M; i++)
             rc |= attend_f32(qb, m->k_cache[l], m->v_cache[l], tables, table_stride, rows + i,
                              seq + i, ctx + i, 1, hq, hkv, D, m->block_size, m->scale, att);

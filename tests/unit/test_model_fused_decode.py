@@ -136,3 +136,18 @@ def test_quantized_and_bf16_models_are_not_fused():
     path = str(model_dir("tiny"))
     assert ModelRunner(path, EngineArgs(block_size=BLOCK, num_kv_blocks=8, quantization="int8")).fused is None
     assert ModelRunner(path, EngineArgs(block_size=BLOCK, num_kv_blocks=8, dtype="bfloat16")).fused is None
+
+
+def test_two_threads_match_one(runner):
+    """OpenMP splits the large linears' rows (M = 16: gate/up is over the threading threshold)."""
+    seqs = prefill(runner, [random.Random(i).randrange(5, 23) for i in range(16)], seed=11)
+    batch = build_batch([SeqChunk([t[-1]], len(t), tab) for t, tab in seqs], BLOCK)
+    before, threads = runner.storage.kv.clone(), torch.get_num_threads()
+    one = runner.execute(batch)
+    runner.storage.kv.copy_(before)
+    torch.set_num_threads(2)
+    try:
+        two = runner.execute(batch)
+    finally:
+        torch.set_num_threads(threads)
+    assert_close(two, one)
