@@ -4,9 +4,11 @@
 
 Layouts, same two cores:
   unified  one tritonserver, engine role=unified, torch num_threads=2, the process tree on cores A,B
-  disagg   a prefill tritonserver on core A and a decode tritonserver on core B (num_threads=1 each,
-           every thread of each tree pinned: backend/serving/disagg_serve.py pin_tree), KV over shm,
-           routed by client/disagg_client.py
+  disagg   a prefill tritonserver's engine on core A and a decode tritonserver's engine on core B
+           (num_threads=1 each; ``--pin stubs``, the default: every thread of each server's Python
+           stubs pinned, tritonserver's front end free; ``--pin tree``: the whole process tree
+           pinned: backend/serving/disagg_serve.py pin_tree), KV over shm, routed by
+           client/disagg_client.py
 Workload (the engine model over gRPC, token ids in/out, greedy): ``--streams`` steady decode streams
 of ``--stream-tokens`` tokens each (restarted as they finish, so that many are always decoding),
 plus every ``--burst-every`` s a burst of ``--burst`` prompts of ``--burst-len`` tokens (distinct:
@@ -116,6 +118,9 @@ def main() -> None:
     ap.add_argument("--burst-every", type=float, default=4.0)
     ap.add_argument("--cpus", default="0:1", help="PREFILL:DECODE cores; unified gets both")
     ap.add_argument("--connector", default="shm", choices=["shm", "tcp"])
+    ap.add_argument("--pin", default="stubs", choices=["tree", "stubs"],
+                    help="tree: every thread of each server; stubs: only the Python stubs (the engine), "
+                         "tritonserver's front-end threads float over both cores")
     a = ap.parse_args()
     from backend.serving.disagg_serve import parse_cpus
     from tests.conftest import model_dir
@@ -125,7 +130,8 @@ def main() -> None:
     opts = {"num_kv_blocks": "1024", "block_size": "16", "max_num_seqs": "32", "max_num_batched_tokens": "512",
             "kv_connector": a.connector}
     unified = TritonServer(path, engine_options={**opts, "num_threads": "2"}, quiet=True)
-    pair = DisaggServers(path, engine_options={**opts, "num_threads": "1"}, cpus=cpus, quiet=True)
+    pair = DisaggServers(path, engine_options={**opts, "num_threads": "1"}, cpus=cpus, quiet=True,
+                         pin_root=a.pin == "tree")
     try:
         unified.start()
         pin_tree(unified.proc.pid, cpus[0] | cpus[1])
@@ -145,7 +151,7 @@ def main() -> None:
         pair.stop()
     print(f"\npreset={a.preset} streams={a.streams}x{a.stream_tokens} tok, bursts {a.burst}x{a.burst_len}-token "
           f"prompts every {a.burst_every}s ({a.burst_tokens} tok each), {a.seconds}s x {a.rounds} rounds, "
-          f"cpus={a.cpus}, connector={a.connector}, host cores={os.cpu_count()}")
+          f"cpus={a.cpus} pin={a.pin}, connector={a.connector}, host cores={os.cpu_count()}")
     print("| layout | ITL p50 ms | ITL p99 ms | p99/p50 | burst TTFT p50 ms | TTFT p99 ms | tokens/s |")
     print("|---|---|---|---|---|---|---|")
     for layout, rs in results.items():

@@ -27,7 +27,8 @@ def add_arguments(sv: argparse.ArgumentParser) -> None:
     sv.add_argument("--disagg", action="store_true",
                     help="prefill/decode disaggregation: one prefill and one decode tritonserver behind the shim")
     sv.add_argument("--disagg-cpus", default=None, metavar="PREFILL:DECODE",
-                    help="with --disagg: pin each server to CPUs, e.g. 0:1 or 0-1:2-3 (default: not pinned)")
+                    help="with --disagg: pin each server's engine (its Python stubs) to CPUs, e.g. 0:1 or "
+                         "0-1:2-3; tritonserver's front-end threads stay free (default: not pinned)")
 
 
 def parse_cpus(spec: str | None) -> tuple[set[int], set[int]] | None:
@@ -60,9 +61,11 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def pin_tree(pid: int, cpus: set[int]) -> int:
-    """Pin every thread of ``pid`` and of its descendants to ``cpus``; returns threads pinned."""
-    n, todo, seen = 0, [pid], set()
+def pin_tree(pid: int, cpus: set[int], *, include_root: bool = True) -> int:
+    """Pin every thread of ``pid`` and of its descendants to ``cpus``; returns threads pinned.
+    ``include_root=False`` pins only the descendants (tritonserver's Python stubs, where the engine
+    runs), leaving tritonserver's own front-end threads free to run on any core."""
+    n, todo, seen = 0, ([pid] if include_root else _children(pid)), set()
     while todo:
         p = todo.pop()
         if p in seen:
@@ -86,11 +89,14 @@ class DisaggServers:
     """A prefill and a decode TritonServer for one checkpoint, started side by side.
 
     ``engine_options`` apply to both (the role is added); ``cpus`` = (prefill cpus, decode cpus)
-    pins each server's whole process tree once it is ready (new threads inherit it)."""
+    pins each server's Python stubs (the engine and its threads) once it is ready (new threads
+    inherit it); ``pin_root=True`` pins tritonserver's own front-end threads too, which measured
+    3-5 x worse decode ITL p50 on 2 cores (each response then waits for the busy engine's core:
+    docs/benchmarks.md)."""
 
     def __init__(self, model_dir, *, engine_options: dict | list | None = None,
                  cpus: tuple[set[int], set[int]] | None = None, workdir: str | os.PathLike | None = None,
-                 ports: tuple[dict, dict] | None = None, **server_kw) -> None:
+                 ports: tuple[dict, dict] | None = None, pin_root: bool = False, **server_kw) -> None:
         from backend.serving.repository import parse_engine_options
 
         opts = parse_engine_options(engine_options)
@@ -101,6 +107,7 @@ class DisaggServers:
         self.decode = TritonServer(model_dir, engine_options={**opts, "role": "decode"},
                                    workdir=base / "decode" if base else None, **d_ports, **server_kw)
         self.cpus = cpus
+        self.pin_root = pin_root
 
     @property
     def servers(self) -> tuple[TritonServer, TritonServer]:
@@ -138,7 +145,7 @@ class DisaggServers:
             raise errors[0]
         if self.cpus is not None:
             for server, cpus in zip(self.servers, self.cpus):
-                pin_tree(server.proc.pid, cpus)
+                pin_tree(server.proc.pid, cpus, include_root=self.pin_root)
         return self
 
     def alive(self) -> bool:
