@@ -104,6 +104,19 @@ class Request:
         return 0
 
 
+class Logger:
+    """pb_utils.Logger: what the model sent to tritonserver's log."""
+    lines: list[tuple[str, str]] = []
+
+    @classmethod
+    def log_info(cls, msg):
+        cls.lines.append(("info", msg))
+
+    @classmethod
+    def log_warn(cls, msg):
+        cls.lines.append(("warn", msg))
+
+
 def get_input_tensor_by_name(request, name):
     v = request.inputs.get(name)
     return None if v is None else Tensor(name, v)
@@ -113,6 +126,7 @@ def get_input_tensor_by_name(request, name):
 def pb(tmp_path_factory):
     fake = types.ModuleType("triton_python_backend_utils")
     fake.Tensor, fake.TritonError, fake.InferenceResponse, fake.MetricFamily = Tensor, TritonError, InferenceResponse, MetricFamily
+    fake.Logger = Logger
     fake.TRITONSERVER_RESPONSE_COMPLETE_FINAL = FINAL
     fake.get_input_tensor_by_name = get_input_tensor_by_name
     fake.using_decoupled_model_transaction_policy = lambda cfg: cfg.get("model_transaction_policy", {}).get("decoupled")
@@ -186,6 +200,8 @@ def test_engine_adapter_streams_then_survives_a_crash(pb):
     engine = load(pb, "engine", {"model_transaction_policy": {"decoupled": True}})
     svc = engine.service
     try:
+        # the startup line (dtype, quantization, weight bytes) goes to tritonserver's log
+        assert any(level == "info" and "quantization none" in msg and "MiB" in msg for level, msg in Logger.lines)
         req = Request("r1", {"input_ids": np.array([5, 6, 7], np.int32)}, {"max_tokens": 4, "temperature": 0})
         assert engine.execute([req]) is None
         assert req.sender.done.wait(30)
