@@ -37,6 +37,7 @@ class ScaleConfig:
     max_ongoing_requests: int = 64             # per replica: past it Ray queues in the router
     prefix_routing: bool = True                # False: Ray's default power-of-two-choices router
     imbalance: int = 4                         # load bound of the prefix router (ongoing requests)
+    affinity_min_blocks: int = 2               # shortest prefix match (KV blocks) the router follows
     replica_cpus: float = 1.0
     replica_gpus: float = 0.0                  # 1 on GPU nodes: one engine per GPU
     ingress_cpus: float = 0.5
@@ -80,7 +81,7 @@ def build_app(cfg: ScaleConfig):
     primary_opts = _replica_options(cfg, "TritonReplica", cfg.replicas, cfg.autoscale)
     if cfg.prefix_routing:
         primary_opts["request_router_config"] = RequestRouterConfig(
-            request_router_class=ROUTER_CLASS, request_router_kwargs={"imbalance": cfg.imbalance})
+            request_router_class=ROUTER_CLASS, request_router_kwargs={"imbalance": cfg.imbalance, "min_blocks": cfg.affinity_min_blocks})
     primary = serve.deployment(TritonReplica).options(**primary_opts).bind(
         cfg.model_dir, cfg.engine_options, "primary")
     fallback = None

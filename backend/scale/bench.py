@@ -16,6 +16,7 @@ import argparse
 import json
 import time
 import urllib.request
+from collections import Counter
 
 SYSTEM = "You are a helpful assistant. Conversation {c} is about topic number {c}; keep answers short."
 
@@ -38,7 +39,7 @@ def workload(base: str, conversations: int, turns: int, max_tokens: int) -> tupl
             text = out["choices"][0]["message"]["content"]
             msgs.append({"role": "assistant", "content": text})
             cached = out["usage"]["prompt_tokens_details"]["cached_tokens"]
-            rows.append({"conv": c, "turn": turn, "prompt_tokens": out["usage"]["prompt_tokens"],
+            rows.append({"id": out["id"], "conv": c, "turn": turn, "prompt_tokens": out["usage"]["prompt_tokens"],
                          "cached": cached, "hit": bool(turn and cached >= prev_prompt - 16)})
             texts.append(text)
     return rows, texts
@@ -72,11 +73,15 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.monotonic()
             serve.run(build_app(cfg), name=f"bench-{name}", route_prefix="/")
             rows, texts = workload(f"http://127.0.0.1:{port}", a.conversations, a.turns, a.max_tokens)
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/scale/stats", timeout=30) as r:
+                served = json.loads(r.read())["served"]
+            per_replica = sorted(Counter(served.get(r["id"], "?") for r in rows).values(), reverse=True)
             follow = [r for r in rows if r["turn"]]
             results[name] = {"follow_ups": len(follow), "hits": sum(r["hit"] for r in follow),
                              "hit_rate": sum(r["hit"] for r in follow) / max(1, len(follow)),
                              "cached_tokens": sum(r["cached"] for r in follow),
-                             "seconds": round(time.monotonic() - t0, 1), "texts": texts}
+                             "seconds": round(time.monotonic() - t0, 1), "texts": texts,
+                             "per_replica": per_replica}
             serve.delete(f"bench-{name}")
     finally:
         serve.shutdown()
@@ -84,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     same = results["prefix"]["texts"] == results["power_of_two"]["texts"]
     for name, r in results.items():
         print(f"{name:13s} follow-up prefix hits {r['hits']}/{r['follow_ups']} = {r['hit_rate']:.0%}  "
-              f"cached tokens {r['cached_tokens']}  ({r['seconds']} s incl. start)")
+              f"cached tokens {r['cached_tokens']}  requests per replica {r['per_replica']}  "
+              f"({r['seconds']} s incl. start)")
     print(f"greedy output identical under both routers (any replica): {same}")
     return 0
 

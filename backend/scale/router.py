@@ -36,8 +36,8 @@ def route_of(pending: PendingRequest | None) -> tuple[list[str], set[str]]:
 
 
 class PrefixAwareRouter(RequestRouter):
-    def initialize_state(self, imbalance: int = 4, max_entries: int = 200_000) -> None:
-        self.policy = PrefixAffinityPolicy(imbalance=imbalance, max_entries=max_entries)
+    def initialize_state(self, imbalance: int = 4, max_entries: int = 200_000, min_blocks: int = 2) -> None:
+        self.policy = PrefixAffinityPolicy(imbalance=imbalance, max_entries=max_entries, min_blocks=min_blocks)
         self.metrics = register(RoutingMetrics())   # by reference: metrics.py is a plain import
         self.ongoing: Counter[str] = Counter()         # replica unique id -> our open requests
         self.open: dict[str, str] = {}                 # internal request id -> replica unique id

@@ -57,12 +57,32 @@ def test_a_hot_prefix_cannot_overload_one_replica():
 
 
 def test_new_prefixes_converge_and_short_prompts_go_least_loaded():
-    p = PrefixAffinityPolicy()
-    shared = chain_of(list(range(16)), 16)
+    p = PrefixAffinityPolicy()                               # min_blocks 2
+    shared = chain_of(list(range(32)), 16)
     picks = {p.choose(shared + [f"{i}"], {"a": 0, "b": 0, "c": 0}).replica for i in range(10)}
-    assert len(picks) == 1                                   # rendezvous on the first block
+    assert len(picks) == 1                                   # rendezvous on the second block
     d = p.choose([], {"a": 2, "b": 1, "c": 1})
     assert (d.replica, d.policy) == ("b", "least_loaded")
+
+
+def test_a_one_block_match_like_a_chat_templates_opening_does_not_pull_new_conversations():
+    p = PrefixAffinityPolicy()                               # min_blocks 2
+    template = chain_of(list(range(16)), 16)[0]
+    where = []
+    for c in range(12):                                      # sequential: loads stay 0 / 0
+        chain = [template] + [f"conv{c}-{j}" for j in range(3)]
+        d = p.choose(chain, {"a": 0, "b": 0})
+        assert d.policy == "new"
+        p.record(chain, d.replica)
+        where.append(d.replica)
+        follow = p.choose(chain + [f"conv{c}-turn2"], {"a": 0, "b": 0})   # its next turn stays
+        assert (follow.replica, follow.policy) == (d.replica, "prefix")
+    assert 0 < where.count("a") < 12, where                  # spread over both replicas
+    old = PrefixAffinityPolicy(min_blocks=1)                 # one block is enough: everything piles up
+    old.record([template, "conv0-0"], "a")
+    assert old.choose([template, "conv1-0"], {"a": 0, "b": 0}) .replica == "a"
+    with pytest.raises(ValueError):
+        PrefixAffinityPolicy(min_blocks=0)
 
 
 def test_forgotten_and_absent_replicas_are_never_chosen():
