@@ -81,7 +81,8 @@ def _build(source: pathlib.Path = SOURCE, flags: list[str] = FLAGS,
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}")
-    proc = subprocess.run([cc, *flags, "-o", str(tmp), str(source), *map(str, extra), "-lm"], capture_output=True, text=True)
+    proc = subprocess.run([cc, *flags, "-o", str(tmp), str(source), *map(str, extra), "-lm"],
+                          capture_output=True, text=True)
     if proc.returncode != 0:
         log.warning("CPU kernel %s did not build (torch fallback): %s", source.name, proc.stderr[-500:])
         return None

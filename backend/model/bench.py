@@ -61,7 +61,8 @@ def run(model_dir: str, *, batch: int, context: int, steps: int, dtype: str, blo
         if fused is None:
             raise SystemExit("--ab-fused: the fused decode step is not available for this model/setup")
         for name, (t, c) in ab.items():
-            extra.update({f"{name}_best_ms": round(1e3 * min(t), 2), f"{name}_mean_ms": round(1e3 * sum(t) / len(t), 2),
+            extra.update({f"{name}_best_ms": round(1e3 * min(t), 2),
+                          f"{name}_mean_ms": round(1e3 * sum(t) / len(t), 2),
                           f"{name}_best_cpu_ms": round(1e3 * min(c), 2)})
         extra["speedup_best_cpu"] = round(min(ab["torch"][1]) / min(ab["fused"][1]), 2)
     return {"model": model_dir, "dtype": dtype, "backend": runner.attention.name, "threads": torch.get_num_threads(),
