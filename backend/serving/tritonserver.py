@@ -82,14 +82,16 @@ class TritonServer:
         return f"http://{self._client_host}:{self.metrics_port}/metrics"
 
     # -- lifecycle -------------------------------------------------------------------------------
-    def command(self, install: TritonInstall, repository: pathlib.Path, backends: pathlib.Path) -> list[str]:
-        """The tritonserver command line for a rendered ``repository``."""
+    def command(self, install: TritonInstall, repository: pathlib.Path, backends: pathlib.Path,
+                attempt: int = 1) -> list[str]:
+        """The tritonserver command line for a rendered ``repository`` (``attempt``: fresh shm names
+        for a retried start)."""
         return [
             str(install.binary),
             f"--model-repository={repository}",
             f"--backend-directory={backends}",
             # Separate shared-memory names per server, so several servers can run on one machine.
-            f"--backend-config=python,shm-region-prefix-name=tllm{os.getpid()}_{self.grpc_port}_",
+            f"--backend-config=python,shm-region-prefix-name=tllm{os.getpid()}_{self.grpc_port}_{attempt}_",
             f"--http-address={self.host}", f"--http-port={self.http_port}",
             f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
             f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
@@ -116,13 +118,24 @@ class TritonServer:
         repository = generate_repository(self.workdir / "model_repository", self.model_dir,
                                          engine_options=self.engine_options, models=self.models,
                                          instances=self.instances, src=self.repository_src)
-        self.proc = spawn(self.command(install, repository, backends), self.log_path, cwd=self.workdir,
-                          env=server_env(install))
-        try:
-            self._wait_ready()
-        except BaseException:
-            self.stop()
-            raise
+        for attempt in (1, 2):
+            self.proc = spawn(self.command(install, repository, backends, attempt), self.log_path, cwd=self.workdir,
+                              env=server_env(install))
+            try:
+                self._wait_ready()
+                return self
+            except ServerStartError as exc:
+                # tritonserver 2.51 sometimes aborts while starting a Python stub on a heavily loaded
+                # host (boost::interprocess::lock_exception): a transient race, so one more try
+                if attempt == 2 or "lock_exception" not in str(exc):
+                    self.stop()
+                    raise
+                terminate_group(self.proc, timeout=self.exit_timeout + 15)
+                self.proc = None
+                self._say("tritonserver hit boost::interprocess::lock_exception at start; retrying once")
+            except BaseException:
+                self.stop()
+                raise
         return self
 
     def _say(self, msg: str) -> None:
