@@ -132,14 +132,17 @@ def speed(a) -> list[dict]:
     for _ in range(a.rounds):
         for n in a.streams:
             for spec, llm in llms.items():
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 llm.generate(texts[:n], params)
                 rate = n * a.tokens / (time.perf_counter() - t0)
+                cpu_rate = n * a.tokens / (time.process_time() - c0)     # per CPU second: robust to load
                 rows[spec][f"tok_s_{n}"] = max(rate, rows[spec].get(f"tok_s_{n}", 0.0))
+                rows[spec][f"cpu_tok_s_{n}"] = max(cpu_rate, rows[spec].get(f"cpu_tok_s_{n}", 0.0))
     base = rows[a.methods[0]]
     for r in rows.values():
         for n in a.streams:
             r[f"x_{n}"] = r[f"tok_s_{n}"] / base[f"tok_s_{n}"]
+            r[f"cpu_x_{n}"] = r[f"cpu_tok_s_{n}"] / base[f"cpu_tok_s_{n}"]
     return list(rows.values())
 
 

@@ -140,10 +140,13 @@ def peers_table(out: dict) -> str:
 
 async def suite_peers(args, bench_point, img: pathlib.Path) -> tuple[str, dict]:
     out = await run_peers(args, bench_point)
+    from load.llamacpp import QUANT_TYPES
     from load.plots import plot_bars
 
+    quant = any(d in QUANT_TYPES for d in args.dtypes)        # its own figure: the float one stays
     plot_bars({f"{m} {d} x{s}": {k: res[k][s]["summary"]["output_throughput"] for k in (PEER, OURS) if k in res}
                for m, by in out.items() if m != "machine" for d, res in by.items() for s in args.streams},
-              img / "peers.png", ylabel="output tokens/s",
-              title="Full stack vs llama.cpp llama-server, same checkpoint and dtype (x = streams)")
+              img / ("peers-quant.png" if quant else "peers.png"), ylabel="output tokens/s",
+              title="Full stack vs llama.cpp llama-server, same " + ("quantized GGUF" if quant else "checkpoint and dtype")
+              + " (x = streams)")
     return peers_table(out), out
