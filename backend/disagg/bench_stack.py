@@ -1,21 +1,26 @@
 """Disaggregated vs unified serving, side by side in one run, through real tritonservers (issue 21).
 
-    .venv/bin/python -m backend.disagg.bench_stack --preset bench-15m --seconds 30 --rounds 2
+    .venv/bin/python -m backend.disagg.bench_stack --preset bench-15m --seconds 24 --rounds 2 \
+        --burst-len 512 --burst-every 6 --layouts unified,isolate,split,stubs
 
-Layouts, same two cores:
+Layouts, same two cores (``--layouts``, comma-separated, each run every round in that order):
   unified  one tritonserver, engine role=unified, torch num_threads=2, the process tree on cores A,B
-  disagg   a prefill tritonserver's engine on core A and a decode tritonserver's engine on core B
-           (num_threads=1 each; ``--pin stubs``, the default: every thread of each server's Python
-           stubs pinned, tritonserver's front end free; ``--pin tree``: the whole process tree
-           pinned: backend/serving/disagg_serve.py pin_tree), KV over shm, routed by
-           client/disagg_client.py
+  isolate  (the default of serve --disagg) a prefill and a decode tritonserver, num_threads=1 each,
+           KV over shm, routed by client/disagg_client.py; the decode engine (the decode server's
+           Python stubs) ALONE on core B; both front ends, the prefill engine and this bench client
+           on core A, the prefill engine at SCHED_BATCH nice 19, the token path at nice -10 (when
+           root) (backend/serving/disagg_serve.py apply_layout)
+  split    isolate, but the decode front end and this bench client free on both cores
+  stubs    the same pair, each engine (stubs) on its core, front ends and client free
+  tree     the same pair, each server's whole process tree on its core
+The one pair serves every disaggregated layout: it is re-placed before each of its rounds.
 Workload (the engine model over gRPC, token ids in/out, greedy): ``--streams`` steady decode streams
 of ``--stream-tokens`` tokens each (restarted as they finish, so that many are always decoding),
 plus every ``--burst-every`` s a burst of ``--burst`` prompts of ``--burst-len`` tokens (distinct:
 no prefix hits) generating ``--burst-tokens`` each. Reported, after ``--warmup`` s: the steady
 streams' inter-token latency p50/p99 (per token: the gap between two responses / tokens in the
-later one), the bursts' TTFT p50/p99, generated tokens/s. Layouts alternate per round (A/B/A/B),
-all servers started up front; the bench client runs unpinned (same for both layouts).
+later one), the bursts' TTFT p50/p99, generated tokens/s, and the CPU seconds each layout's
+processes used. Layouts alternate per round (A/B/A/B), all servers started up front.
 """
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ import random
 import statistics
 import time
 
-from backend.serving.disagg_serve import DisaggServers, pin_tree
+from backend.serving.disagg_serve import LAYOUTS, DisaggServers, pin_tree, sched_tree
 from backend.serving.tritonserver import TritonServer
 from client.disagg_client import DisaggLLMClient
 from client.triton_client import TritonLLMClient
@@ -103,6 +108,26 @@ async def run_phase(client, a, seed: int) -> dict:
             "ttft_p99": pct(ttft, 0.99), "tok_s": tokens / a.seconds, "n_itl": len(itl), "n_ttft": len(ttft)}
 
 
+def tree_cpu(pids: list[int]) -> float:
+    """CPU seconds (user + sys) of the processes and their descendants so far."""
+    from backend.serving.disagg_serve import _children
+
+    tick, total, todo, seen = os.sysconf("SC_CLK_TCK"), 0.0, list(pids), set()
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+            todo += _children(p)
+        except (OSError, ValueError, IndexError):
+            pass
+    return total
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="bench-15m")
@@ -118,10 +143,13 @@ def main() -> None:
     ap.add_argument("--burst-every", type=float, default=4.0)
     ap.add_argument("--cpus", default="0:1", help="PREFILL:DECODE cores; unified gets both")
     ap.add_argument("--connector", default="shm", choices=["shm", "tcp"])
-    ap.add_argument("--pin", default="stubs", choices=["tree", "stubs"],
-                    help="tree: every thread of each server; stubs: only the Python stubs (the engine), "
-                         "tritonserver's front-end threads float over both cores")
+    ap.add_argument("--layouts", default="unified,isolate,split,stubs",
+                    help=f"comma-separated, from unified,{','.join(LAYOUTS)} (disagg_serve.apply_layout)")
     a = ap.parse_args()
+    layouts = a.layouts.split(",")
+    for lay in layouts:
+        if lay != "unified" and lay not in LAYOUTS:
+            ap.error(f"unknown layout {lay!r}")
     from backend.serving.disagg_serve import parse_cpus
     from tests.conftest import model_dir
 
@@ -130,20 +158,27 @@ def main() -> None:
     opts = {"num_kv_blocks": "1024", "block_size": "16", "max_num_seqs": "32", "max_num_batched_tokens": "512",
             "kv_connector": a.connector}
     unified = TritonServer(path, engine_options={**opts, "num_threads": "2"}, quiet=True)
-    pair = DisaggServers(path, engine_options={**opts, "num_threads": "1"}, cpus=cpus, quiet=True,
-                         pin_root=a.pin == "tree")
+    pair = DisaggServers(path, engine_options={**opts, "num_threads": "1"}, cpus=cpus, quiet=True)
     try:
         unified.start()
         pin_tree(unified.proc.pid, cpus[0] | cpus[1])
         pair.start()
-        results: dict[str, list[dict]] = {"unified": [], "disagg": []}
+        results: dict[str, list[dict]] = {lay: [] for lay in layouts}
+        me = os.getpid()
         for r in range(a.rounds):
-            for layout in ("unified", "disagg"):
+            for layout in layouts:
                 if layout == "unified":
+                    pin_tree(me, cpus[0] | cpus[1])
+                    sched_tree(me)
                     client = TritonLLMClient(unified.grpc_url)
+                    procs = [unified.proc.pid]
                 else:
+                    pair.place(layout, others=(me,))
                     client = DisaggLLMClient(pair.prefill.grpc_url, pair.decode.grpc_url)
+                    procs = [s.proc.pid for s in pair.servers]
+                cpu0 = tree_cpu(procs)
                 res = asyncio.run(run_phase(client, a, seed=r))
+                res["cpu_s"] = tree_cpu(procs) - cpu0
                 results[layout].append(res)
                 print(f"round {r} {layout:8} " + " ".join(f"{k}={v:.4g}" for k, v in res.items()), flush=True)
     finally:
@@ -151,14 +186,17 @@ def main() -> None:
         pair.stop()
     print(f"\npreset={a.preset} streams={a.streams}x{a.stream_tokens} tok, bursts {a.burst}x{a.burst_len}-token "
           f"prompts every {a.burst_every}s ({a.burst_tokens} tok each), {a.seconds}s x {a.rounds} rounds, "
-          f"cpus={a.cpus} pin={a.pin}, connector={a.connector}, host cores={os.cpu_count()}")
-    print("| layout | ITL p50 ms | ITL p99 ms | p99/p50 | burst TTFT p50 ms | TTFT p99 ms | tokens/s |")
-    print("|---|---|---|---|---|---|---|")
+          f"cpus={a.cpus}, connector={a.connector}, host cores={os.cpu_count()}, "
+          f"loadavg={os.getloadavg()[0]:.1f}")
+    print("| layout | ITL p50 ms | ITL p99 ms | p99/p50 (rounds) | burst TTFT p50 ms | TTFT p99 ms | tokens/s | CPU s |")
+    print("|---|---|---|---|---|---|---|---|")
     for layout, rs in results.items():
         med = {k: statistics.median(x[k] for x in rs) for k in rs[0]}
+        rr = " / ".join(f"{x['itl_p99'] / x['itl_p50']:.1f}" for x in rs)
         print(f"| {layout} | {1e3 * med['itl_p50']:.1f} | {1e3 * med['itl_p99']:.1f} | "
-              f"{med['itl_p99'] / med['itl_p50']:.2f} | {1e3 * med['ttft_p50']:.0f} | {1e3 * med['ttft_p99']:.0f} | "
-              f"{med['tok_s']:.0f} |")
+              f"{med['itl_p99'] / med['itl_p50']:.2f} ("
+              f"{rr}) | {1e3 * med['ttft_p50']:.0f} | {1e3 * med['ttft_p99']:.0f} | "
+              f"{med['tok_s']:.0f} | {med['cpu_s']:.0f} |")
 
 
 if __name__ == "__main__":
