@@ -85,7 +85,11 @@ async def until_disconnect(request: Request | None, awaitable, poll_s: float = 0
                     await task
                 raise ClientDisconnected()
     except asyncio.CancelledError:
+        # the handler itself was cancelled (Ray Serve does so when a client hangs up): let the
+        # inner task finish its cleanup before the caller's ``finally`` closes what it iterates
         task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
         raise
 
 

@@ -63,3 +63,34 @@ def test_finished_requests_are_not_aborted(server, fake):
     assert r.text.endswith("data: [DONE]\n\n")
     rid = r.headers["x-request-id"]
     assert rid in fake.finished and rid not in fake.aborted
+
+
+def test_a_cancelled_handler_waits_for_its_inner_task_to_clean_up():
+    """Ray Serve cancels the handler when its client leaves: until_disconnect must not return
+    control (and let the caller close the stream it reads) while the inner task is still unwinding."""
+    import asyncio
+
+    from client.shim.generation import until_disconnect
+
+    class Connected:
+        async def is_disconnected(self):
+            return False
+
+    async def scenario():
+        cleaned = asyncio.Event()
+
+        async def work():
+            try:
+                await asyncio.sleep(30)
+            finally:
+                await asyncio.sleep(0.05)      # cleanup that takes a moment
+                cleaned.set()
+
+        outer = asyncio.ensure_future(until_disconnect(Connected(), work(), poll_s=0.01))
+        await asyncio.sleep(0.05)
+        outer.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await outer
+        return cleaned.is_set()
+
+    assert asyncio.run(scenario())
