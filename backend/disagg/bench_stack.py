@@ -10,6 +10,7 @@ Layouts, same two cores (``--layouts``, comma-separated, each run every round in
            Python stubs) ALONE on core B; both front ends, the prefill engine and this bench client
            on core A, the prefill engine at SCHED_BATCH nice 19, the token path at nice -10 (when
            root) (backend/serving/disagg_serve.py apply_layout)
+  idle     isolate with the prefill engine at SCHED_IDLE instead of SCHED_BATCH
   split    isolate, but the decode front end and this bench client free on both cores
   stubs    the same pair, each engine (stubs) on its core, front ends and client free
   tree     the same pair, each server's whole process tree on its core

@@ -62,6 +62,9 @@ def test_isolate_and_split_place_the_token_path_before_the_prefill_engine(pair):
         assert _state(pre, root=False) == {(frozenset({0}), os.SCHED_BATCH, 19)}    # prefill engine yields
     if not root:
         return                          # cannot reset nice 19 -> 0 without CAP_SYS_NICE
+    apply_layout(pair, "idle", cpus, others=(other,))
+    assert _state(pre, root=False) == {(frozenset({0}), os.SCHED_IDLE, 19)}
+    assert _state(dec, root=True) == {(frozenset({0}), os.SCHED_OTHER, hi)}
     # re-placing resets everything first (the bench alternates layouts on one pair)
     apply_layout(pair, "stubs", cpus, others=(other,))
     assert _state(pre, root=False) == {(frozenset({0}), os.SCHED_OTHER, 0)}
