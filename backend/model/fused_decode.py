@@ -8,8 +8,10 @@ o-proj + residual, RMSNorm, gate/up, SiLU * up, down + residual), the final norm
 for the logits rows, with no Python in between and no per-step allocation but the logits.
 
 When it is used (:func:`make_fused_decoder` returns None otherwise and the torch path runs):
-CPU, fp32 weights and KV cache, plain :class:`~backend.model.llama.Linear` projections (no
-quantization), the torch attention backend, the C library built (``kernels.cpu.decode_library``),
+CPU, fp32 weights and KV cache, projections that are plain :class:`~backend.model.llama.Linear`
+or int8/int4 :class:`~backend.quant.linear.QuantLinear` (incl. a quantized lm_head, ``lm_head_q``;
+those call the quant library's ``w8_gemm``/``w4_gemm`` through their addresses, so they compute what
+QuantLinear computes), the torch attention backend, the C library built (``kernels.cpu.decode_library``),
 and ``TRITON_LLM_FUSED_DECODE`` not ``0``. Per step, :meth:`FusedDecoder.accepts` takes a batch in
 which every sequence has exactly one new token; prefill and mixed steps keep the torch path.
 
@@ -36,12 +38,51 @@ _LAYER_FIELDS = ("ln1", "qkv_w", "qkv_b", "o_w", "o_b", "ln2", "gu_w", "gu_b", "
                  "k_cache", "v_cache")
 
 
+_PROJ = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")    # P_QKV .. P_DOWN in decode_cpu.c
+_KIND = {"int8": 1, "int4": 2}                                    # Q_INT8, Q_INT4 (0: fp32)
+
+
 class _Model(ctypes.Structure):
     """Mirror of ``Model`` in kernels/csrc/decode_cpu.c (same field order)."""
     _fields_ = ([(n, _I) for n in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "inter",
                                    "vocab", "block_size", "max_pos", "gemm_min_m")]
                 + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
-                + [(n, _P) for n in ("embed", "norm", "lm_head", "cos", "sin", *_LAYER_FIELDS, "sgemm")])
+                + [(n, _P) for n in ("embed", "norm", "lm_head", "cos", "sin", *_LAYER_FIELDS, "sgemm",
+                                     "qw", "head_q", "w8", "w4")])
+
+
+class _QW(ctypes.Structure):
+    """Mirror of ``QW`` in kernels/csrc/decode_cpu.c: one projection's quantized weight (kind 0: fp32)."""
+    _fields_ = [("kind", _I), ("group", _I), ("w", _P), ("scales", _P), ("zeros", _P)]
+
+
+def _is_quant(mod) -> bool:
+    return mod.__class__.__name__ == "QuantLinear"
+
+
+def _qw(mod) -> _QW:
+    if not _is_quant(mod):
+        return _QW(kind=0)
+    return _QW(kind=_KIND[mod.method], group=mod.group_size, w=mod.qweight.data_ptr(),
+               scales=mod.scales.data_ptr(), zeros=None if mod.zeros is None else mod.zeros.data_ptr())
+
+
+def _quant_ok(mod) -> bool:
+    """A QuantLinear the C GEMMs can read in place: int8/int4, CPU, contiguous, fp32 bias."""
+    ts = [mod.qweight, mod.scales] + ([] if mod.zeros is None else [mod.zeros])
+    return (mod.method in _KIND and all(t.device.type == "cpu" and t.is_contiguous() for t in ts)
+            and mod.scales.dtype == torch.float16 and (mod.zeros is None or mod.zeros.dtype == torch.float16)
+            and _f32(mod.bias))
+
+
+def _quant_gemms() -> tuple[int, int] | None:
+    """Addresses of w8_gemm / w4_gemm in the already-built quant library (backend/quant/cpu.py)."""
+    from backend.quant import cpu as qcpu
+
+    lib = qcpu.library()
+    if lib is None:
+        return None
+    return ctypes.cast(lib.w8_gemm, _P).value, ctypes.cast(lib.w4_gemm, _P).value
 
 
 def enabled() -> bool:
@@ -68,16 +109,20 @@ class FusedDecoder:
         self._lib = lib
         self._keep = []           # ctypes pointer arrays the struct points into
         layers = model.model.layers
+
+        def w(mod):                 # fp32 weight, or None for a QuantLinear (read through qw)
+            return None if _is_quant(mod) else mod.weight
+
         per_layer = {
             "ln1": [x.input_layernorm.weight for x in layers],
-            "qkv_w": [x.self_attn.qkv_proj.weight for x in layers],
+            "qkv_w": [w(x.self_attn.qkv_proj) for x in layers],
             "qkv_b": [x.self_attn.qkv_proj.bias for x in layers],
-            "o_w": [x.self_attn.o_proj.weight for x in layers],
+            "o_w": [w(x.self_attn.o_proj) for x in layers],
             "o_b": [x.self_attn.o_proj.bias for x in layers],
             "ln2": [x.post_attention_layernorm.weight for x in layers],
-            "gu_w": [x.mlp.gate_up_proj.weight for x in layers],
+            "gu_w": [w(x.mlp.gate_up_proj) for x in layers],
             "gu_b": [x.mlp.gate_up_proj.bias for x in layers],
-            "down_w": [x.mlp.down_proj.weight for x in layers],
+            "down_w": [w(x.mlp.down_proj) for x in layers],
             "down_b": [x.mlp.down_proj.bias for x in layers],
             "k_cache": [k for k, _ in kv_caches],
             "v_cache": [v for _, v in kv_caches],
@@ -88,6 +133,16 @@ class FusedDecoder:
             self._keep.append(arr)
             arrays[name] = ctypes.cast(arr, _P)
         sgemm = _mkl_sgemm()
+        projs = [getattr(x.self_attn if p in ("qkv_proj", "o_proj") else x.mlp, p) for x in layers for p in _PROJ]
+        head = getattr(model, "lm_head_q", None)
+        quant = {}
+        if any(_is_quant(p) for p in projs) or head is not None:
+            self._qw = (_QW * len(projs))(*[_qw(p) for p in projs])
+            self._head_q = _qw(head) if head is not None else None
+            w8, w4 = _quant_gemms()
+            quant = dict(qw=ctypes.cast(self._qw, _P), w8=w8, w4=w4,
+                         head_q=None if head is None else ctypes.cast(ctypes.pointer(self._head_q), _P))
+            self._quant_mods = [*projs, head]                 # keep their tensors alive with us
         self._struct = _Model(
             num_layers=cfg.num_layers, hidden=cfg.hidden_size, num_heads=cfg.num_heads,
             num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, inter=cfg.intermediate_size,
@@ -96,7 +151,7 @@ class FusedDecoder:
             eps=cfg.rms_norm_eps, scale=cfg.head_dim ** -0.5,
             embed=model.model.embed_tokens.data_ptr(), norm=model.model.norm.weight.data_ptr(),
             lm_head=model.lm_head_weight().data_ptr(), cos=rot.cos.data_ptr(), sin=rot.sin.data_ptr(),
-            sgemm=sgemm, **arrays)
+            sgemm=sgemm, **arrays, **quant)
         self._tensors = per_layer        # the pointers above stay valid while these live
         self._vocab = cfg.vocab_size
         self._scratch = torch.empty(0)
@@ -139,11 +194,14 @@ def make_fused_decoder(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tens
 
     if not enabled() or not isinstance(attention, TorchAttention) or model.cfg.head_dim % 2:
         return None
-    if getattr(model, "lm_head_q", None) is not None:     # a quantized lm_head (quant_lm_head)
-        return None
     linears = [m for m in model.modules() if m.__class__.__name__.endswith("Linear")]
-    if any(type(m) is not Linear or not (_f32(m.weight) and _f32(m.bias)) for m in linears):
-        return None                                       # quantized or not fp32 on CPU
+    quant = [m for m in linears if _is_quant(m)]
+    if any(not _quant_ok(m) for m in quant):
+        return None                                       # a layout the C GEMMs do not read
+    if any(type(m) is not Linear or not (_f32(m.weight) and _f32(m.bias)) for m in linears if not _is_quant(m)):
+        return None                                       # not fp32 on CPU
+    if quant and _quant_gemms() is None:
+        return None                                       # the quant C library is not built
     others = [model.model.embed_tokens, model.lm_head_weight(), model.model.norm.weight, model.rotary.cos,
               model.rotary.sin, *(t for kv in kv_caches for t in kv)]
     if not all(_f32(t) for t in others) or any(not _f32(x.weight) for x in model.modules() if hasattr(x, "eps")):

@@ -22,6 +22,12 @@
  * weight tile read from memory once and reused from L1 for every group of T tokens. M >= gemm_min_m
  * (when the caller passes MKL's sgemm_): BLAS, which wins once the step is compute-bound.
  * Threads: OpenMP over weight-row blocks and attention rows when nthreads > 1.
+ *
+ * Weight-only quantized projections (issue 16): when ``qw`` is set, each layer's qkv/o/gate_up/down
+ * (and ``head_q`` for the lm_head) may be int8 or int4 (backend/quant/layout.py); those linears call
+ * the quant library's own w8_gemm / w4_gemm (backend/quant/csrc/quant_cpu.c) through the function
+ * pointers the caller passes, so they compute exactly what QuantLinear computes on the torch path.
+ * The residual projections (o, down) write into the free ``xn`` rows and are added to h after.
  */
 #include <math.h>
 #include <stdint.h>
@@ -38,6 +44,22 @@ int attend_f32(const float *q, const float *kc, const float *vc, const int32_t *
                int64_t table_stride, const int64_t *rows, const int32_t *seq, const int32_t *ctx,
                int64_t nrows, int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale, float *out);
 
+typedef void (*w8_fn)(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *w,
+                      const uint16_t *scales, int64_t G, const float *bias, int64_t N, float *y,
+                      int64_t ldy, int nthreads);
+typedef void (*w4_fn)(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
+                      const uint16_t *scales, const uint16_t *zeros, int64_t G, const float *bias,
+                      int64_t N, float *y, int64_t ldy, int nthreads);
+
+/* One projection's quantized weight; kind 0: fp32 (the Model's float pointer is used instead). */
+enum { Q_F32 = 0, Q_INT8 = 1, Q_INT4 = 2 };
+typedef struct {
+    int64_t kind, group;
+    const void *w;                  /* int8 [N, K] or packed int4 [N, ceil(K/32)*16] */
+    const uint16_t *scales, *zeros; /* fp16 [N, groups]; zeros: int4 only */
+} QW;
+enum { P_QKV = 0, P_O = 1, P_GU = 2, P_DOWN = 3, P_COUNT = 4 };
+
 /* Mirrored by backend/model/fused_decode.py's ctypes Structure (same field order). */
 typedef struct {
     int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, inter, vocab, block_size, max_pos;
@@ -48,6 +70,10 @@ typedef struct {
     const float **ln1, **qkv_w, **qkv_b, **o_w, **o_b, **ln2, **gu_w, **gu_b, **down_w, **down_b;
     float **k_cache, **v_cache;     /* per layer */
     sgemm_fn sgemm;                 /* NULL: own kernels for every M */
+    const QW *qw;                   /* NULL (all fp32) or [num_layers * P_COUNT] */
+    const QW *head_q;               /* NULL: fp32 lm_head */
+    w8_fn w8;                       /* the quant library's w8_gemm / w4_gemm (needed when used) */
+    w4_fn w4;
 } Model;
 
 static inline v8 ld(const float *p) { v8 x; memcpy(&x, p, sizeof x); return x; }
@@ -152,6 +178,21 @@ static void linear(const Model *m, const float *x, int64_t M, int64_t K, const f
     }
 }
 
+/* A projection that may be quantized: q NULL or fp32 -> linear(); else the quant GEMM into y, or,
+ * with acc, into tmp [M, N] and then y += tmp (as QuantLinear's output is added on the torch path). */
+static void linear_q(const Model *m, const QW *q, const float *x, int64_t M, int64_t K, const float *W,
+                     const float *bias, int64_t N, float *y, int acc, float *tmp, int nt) {
+    if (!q || q->kind == Q_F32) { linear(m, x, M, K, W, bias, N, y, acc, nt); return; }
+    float *out = acc ? tmp : y;
+    const int t = nt > 1 && M * N * K >= PAR_MIN_MACS ? nt : 1;
+    if (q->kind == Q_INT8)
+        m->w8(x, M, K, K, (const int8_t *)q->w, q->scales, q->group, bias, N, out, N, t);
+    else
+        m->w4(x, M, K, K, (const uint8_t *)q->w, q->scales, q->zeros, q->group, bias, N, out, N, t);
+    if (acc)
+        for (int64_t i = 0; i < M * N; i++) y[i] += tmp[i];
+}
+
 /* out = x * rsqrt(mean(x^2) + eps) * w, one row of n. */
 static void rmsnorm(const float *x, const float *w, int64_t n, float eps, float *out) {
     v8 a = (v8){0};
@@ -200,9 +241,10 @@ int decode_forward(const Model *m, int64_t M, const int64_t *ids, const int64_t 
     for (int64_t i = 0; i < M; i++) att_macs += 2 * (int64_t)ctx[i] * q;
     const int par_att = nt > 1 && M > 1 && att_macs >= PAR_MIN_MACS;
     int rc = 0;
+#define QP(l, p) (m->qw ? m->qw + (l) * P_COUNT + (p) : NULL)
     for (int64_t l = 0; l < m->num_layers && rc == 0; l++) {
         for (int64_t i = 0; i < M; i++) rmsnorm(h + i * H, m->ln1[l], H, m->eps, xn + i * H);
-        linear(m, xn, M, H, m->qkv_w[l], m->qkv_b[l], qkvn, qkv, 0, nt);
+        linear_q(m, QP(l, P_QKV), xn, M, H, m->qkv_w[l], m->qkv_b[l], qkvn, qkv, 0, NULL, nt);
         for (int64_t i = 0; i < M; i++) {
             const float *c = m->cos + pos[i] * half, *s = m->sin + pos[i] * half, *r = qkv + i * qkvn;
             for (int64_t hd = 0; hd < hq; hd++) rope(r + hd * D, c, s, half, qb + i * q + hd * D);
@@ -215,20 +257,21 @@ int decode_forward(const Model *m, int64_t M, const int64_t *ids, const int64_t 
         for (int64_t i = 0; i < M; i++)
             rc |= attend_f32(qb, m->k_cache[l], m->v_cache[l], tables, table_stride, rows + i,
                              seq + i, ctx + i, 1, hq, hkv, D, m->block_size, m->scale, att);
-        linear(m, att, M, q, m->o_w[l], m->o_b[l], H, h, 1, nt);
+        linear_q(m, QP(l, P_O), att, M, q, m->o_w[l], m->o_b[l], H, h, 1, xn, nt);
         for (int64_t i = 0; i < M; i++) rmsnorm(h + i * H, m->ln2[l], H, m->eps, xn + i * H);
-        linear(m, xn, M, H, m->gu_w[l], m->gu_b[l], 2 * I, gu, 0, nt);
+        linear_q(m, QP(l, P_GU), xn, M, H, m->gu_w[l], m->gu_b[l], 2 * I, gu, 0, NULL, nt);
         for (int64_t i = 0; i < M; i++) {
             const float *g = gu + i * 2 * I, *u = g + I;
             float *a = act + i * I;
             for (int64_t j = 0; j < I; j++) a[j] = g[j] / (1.f + expf(-g[j])) * u[j];
         }
-        linear(m, act, M, I, m->down_w[l], m->down_b[l], H, h, 1, nt);
+        linear_q(m, QP(l, P_DOWN), act, M, I, m->down_w[l], m->down_b[l], H, h, 1, xn, nt);
     }
     free(rows);
     free(seq);
     if (rc != 0) return -1;
     for (int64_t j = 0; j < nlogits; j++) rmsnorm(h + logit_rows[j] * H, m->norm, H, m->eps, xn + j * H);
-    linear(m, xn, nlogits, H, m->lm_head, NULL, m->vocab, logits, 0, nt);
+#undef QP
+    linear_q(m, m->head_q, xn, nlogits, H, m->lm_head, NULL, m->vocab, logits, 0, NULL, nt);
     return 0;
 }

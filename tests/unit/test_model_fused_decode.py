@@ -132,10 +132,33 @@ def test_switch_and_no_compiler_fall_back(monkeypatch):
         cpu.library.cache_clear()
 
 
-def test_quantized_and_bf16_models_are_not_fused():
+def test_bf16_models_are_not_fused():
     path = str(model_dir("tiny"))
-    assert ModelRunner(path, EngineArgs(block_size=BLOCK, num_kv_blocks=8, quantization="int8")).fused is None
     assert ModelRunner(path, EngineArgs(block_size=BLOCK, num_kv_blocks=8, dtype="bfloat16")).fused is None
+
+
+# Weight-only quantized models (issue 16): the fused step calls the quant library's w8_gemm / w4_gemm
+# for QuantLinear projections (and a quantized lm_head), so it must agree with the quantized torch path
+# (QuantLinear's C kernel) as tightly as the fp32 step agrees with the fp32 torch path.
+@pytest.fixture(scope="module", params=[("tiny", "int8", False), ("tiny", "int4", False),
+                                        ("tiny-qwen2", "int8", True), ("tiny", "int4", True)],
+                ids=["int8", "int4", "qwen2-int8-head", "int4-head"])
+def qrunner(request) -> ModelRunner:
+    if decode_library() is None:
+        pytest.skip("no C compiler: the fused decode step is unavailable")
+    preset, method, head = request.param
+    r = ModelRunner(str(model_dir(preset)), EngineArgs(block_size=BLOCK, num_kv_blocks=NUM_BLOCKS, num_threads=1,
+                                                       quantization=method, quant_lm_head=head))
+    quant = [m for m in r.model.modules() if type(m).__name__ == "QuantLinear"]
+    assert quant and all(m.method == method for m in quant)
+    assert (r.model.lm_head_q is not None) == head
+    assert r.fused is not None
+    return r
+
+
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_quantized_fused_step_matches_quantized_torch_path(qrunner, m):
+    test_fused_step_matches_torch_path(qrunner, m)
 
 
 def test_two_threads_match_one(runner):
