@@ -20,7 +20,7 @@ from kernels.cpu import decode_library
 from tests.conftest import model_dir
 
 BLOCK = 4
-NUM_BLOCKS = 160
+NUM_BLOCKS = 320                # room for the M = 40 case (~6 blocks per sequence)
 RTOL = 1e-4
 
 
@@ -159,6 +159,16 @@ def qrunner(request) -> ModelRunner:
 @pytest.mark.parametrize("m", [1, 3, 16])
 def test_quantized_fused_step_matches_quantized_torch_path(qrunner, m):
     test_fused_step_matches_torch_path(qrunner, m)
+
+
+def test_quantized_fused_step_above_small_m(qrunner):
+    """M = 40 > backend/quant/cpu.py's SMALL_M: the torch path dequantizes + BLAS there, the fused step
+    keeps the C GEMM; same weights, so the logits still agree within the tolerance."""
+    test_fused_step_matches_torch_path(qrunner, 40)
+
+
+def test_quantized_two_threads_match_one(qrunner):
+    test_two_threads_match_one(qrunner)
 
 
 def test_two_threads_match_one(runner):
