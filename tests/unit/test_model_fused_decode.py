@@ -161,6 +161,22 @@ def test_quantized_fused_step_matches_quantized_torch_path(qrunner, m):
     test_fused_step_matches_torch_path(qrunner, m)
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_gguf_keep_quantized_model_is_fused(tmp_path, qtype):
+    """A GGUF imported with --keep-quantized (packed int8 / int4 G 32 with zeros) takes the fused step."""
+    from backend.model.gguf_import import import_gguf
+    from tests.unit.test_gguf_import import write_gguf
+
+    if decode_library() is None:
+        pytest.skip("no C compiler: the fused decode step is unavailable")
+    write_gguf(model_dir("tiny-qwen2"), tmp_path / "m.gguf", qtype=qtype)
+    import_gguf(tmp_path / "m.gguf", tmp_path / "packed", progress=None, keep_quantized=True)
+    r = ModelRunner(str(tmp_path / "packed"), EngineArgs(block_size=BLOCK, num_kv_blocks=NUM_BLOCKS, num_threads=1))
+    assert r.model.quantization["method"] == ("int8" if qtype == "Q8_0" else "int4")
+    assert r.fused is not None
+    test_fused_step_matches_torch_path(r, 3)
+
+
 def test_quantized_fused_step_above_small_m(qrunner):
     """M = 40 > backend/quant/cpu.py's SMALL_M: the torch path dequantizes + BLAS there, the fused step
     keeps the C GEMM; same weights, so the logits still agree within the tolerance."""
