@@ -70,7 +70,7 @@ def _qw(mod) -> _QW:
 def _quant_ok(mod) -> bool:
     """A QuantLinear the C GEMMs can read in place: int8/int4, CPU, contiguous, fp32 bias."""
     ts = [mod.qweight, mod.scales] + ([] if mod.zeros is None else [mod.zeros])
-    return (mod.method in _KIND and all(t.device.type == "cpu" and t.is_contiguous() for t in ts)
+    return (mod.method in _KIND and (mod.method == "int8") == (mod.zeros is None) and all(t.device.type == "cpu" and t.is_contiguous() for t in ts)
             and mod.scales.dtype == torch.float16 and (mod.zeros is None or mod.zeros.dtype == torch.float16)
             and _f32(mod.bias))
 
