@@ -30,7 +30,7 @@ def test_markdown_table_has_one_row_per_model():
     r = {"model": "m", "engine": {"output_throughput": 100.0},
          "hf_sequential": {"output_throughput": 10.0, "extrapolated": True, "sampled_requests": 8},
          "static": {"output_throughput": 50.0, "extrapolated": False, "sampled_groups": 16},
-         "ratio_engine_vs_hf_sequential": 10.0, "ratio_engine_vs_static": 2.0,
+         "ratio_engine_vs_hf_sequential": 10.0, "ratio_engine_vs_static": 2.0, "ratio_engine_vs_static_cpu": 3.0,
          "static_padding": {"total_waste": 0.4, "ceiling_speedup": 1 / 0.6}, "greedy_outputs_equal_hf": "8/8"}
     lines = markdown([r]).splitlines()
-    assert len(lines) == 3 and "| m | 100 | 10.0 (sample 8) | 50 | 10.0x | 2.00x | 40% (≤ 1.67x) | 8/8 |" == lines[2]
+    assert len(lines) == 3 and "| m | 100 | 10.0 (sample 8) | 50 | 10.0x | 2.00x | 3.00x | 40% (≤ 1.67x) | 8/8 |" == lines[2]
