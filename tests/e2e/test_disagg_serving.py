@@ -111,8 +111,11 @@ def test_outputs_identical_to_unified(triton_server, pair):
     assert metric(snap, "llm_disagg_prefix_hit_blocks_total", role="decode") > 0      # not fetched again
     assert metric(snap, "llm_disagg_transfer_bytes_total", role="decode") > 0
     assert metric(snap, "llm_disagg_handover_seconds_count", role="decode") >= handovers
-    pre, _ = wait_metric(pair.prefill, lambda s: metric(s, "llm_disagg_staged_transfers", role="prefill") == 0,
-                         timeout=5)
+    # the prefill engine's counters reach Prometheus in batches: wait for them too
+    pre, _ = wait_metric(pair.prefill, lambda s: metric(s, "llm_disagg_staged_transfers", role="prefill") == 0
+                         and metric(s, "llm_disagg_handovers_total", role="prefill", outcome="handed_over")
+                         >= handovers, timeout=10)
+    assert metric(pre, "llm_disagg_staged_transfers", role="prefill") == 0
     assert metric(pre, "llm_disagg_handovers_total", role="prefill", outcome="handed_over") >= handovers
 
 
