@@ -149,12 +149,9 @@ def staged_config(config: dict) -> dict:
     return out
 
 
-def convert_to_gguf(model_dir: pathlib.Path, dtype: str = "float32") -> pathlib.Path:
-    """``build/peers/gguf/<name>-<type>.gguf``, converted once per checkpoint and dtype."""
-    model_dir = pathlib.Path(model_dir).resolve()
-    out = PEERS / "gguf" / f"{model_dir.name}-{OUTTYPES[dtype]}.gguf"
-    if out.exists() and out.stat().st_mtime >= (model_dir / "config.json").stat().st_mtime:
-        return out
+def stage_checkpoint(model_dir: pathlib.Path) -> pathlib.Path:
+    """``build/peers/gguf/.stage-<name>``: the checkpoint's files linked, config.json as the
+    converter wants it (:func:`staged_config`)."""
     stage = PEERS / "gguf" / f".stage-{model_dir.name}"
     shutil.rmtree(stage, ignore_errors=True)
     stage.mkdir(parents=True)
@@ -163,6 +160,16 @@ def convert_to_gguf(model_dir: pathlib.Path, dtype: str = "float32") -> pathlib.
             (stage / f.name).symlink_to(f)
     config = json.loads((model_dir / "config.json").read_text())
     (stage / "config.json").write_text(json.dumps(staged_config(config)))
+    return stage
+
+
+def convert_to_gguf(model_dir: pathlib.Path, dtype: str = "float32") -> pathlib.Path:
+    """``build/peers/gguf/<name>-<type>.gguf``, converted once per checkpoint and dtype."""
+    model_dir = pathlib.Path(model_dir).resolve()
+    out = PEERS / "gguf" / f"{model_dir.name}-{OUTTYPES[dtype]}.gguf"
+    if out.exists() and out.stat().st_mtime >= (model_dir / "config.json").stat().st_mtime:
+        return out
+    stage = stage_checkpoint(model_dir)
     tmp = out.with_suffix(".tmp")
     log = out.with_suffix(".log")
     with open(log, "wb") as f:
@@ -195,14 +202,7 @@ def quantize_gguf(model_dir: pathlib.Path, qtype: str) -> pathlib.Path:
     if binary is not None:
         cmd = quantize_cmd(binary, src, tmp, qtype, os.cpu_count() or 2)
     elif qtype == "q8_0":
-        stage = PEERS / "gguf" / f".stage-{model_dir.name}"
-        shutil.rmtree(stage, ignore_errors=True)
-        stage.mkdir(parents=True)
-        for f in model_dir.iterdir():
-            if f.name != "config.json":
-                (stage / f.name).symlink_to(f)
-        config = json.loads((model_dir / "config.json").read_text())
-        (stage / "config.json").write_text(json.dumps(staged_config(config)))
+        stage = stage_checkpoint(model_dir)
         cmd = [*convert_cmd(source_dir(), stage, tmp, "float32")[:-1], "q8_0"]
     else:
         raise RuntimeError(f"llama-quantize could not be built (see {PEERS / 'llama-build'}); {qtype} needs it")

@@ -111,19 +111,14 @@ async def run_phase(client, a, seed: int) -> dict:
 
 def tree_cpu(pids: list[int]) -> float:
     """CPU seconds (user + sys) of the processes and their descendants so far."""
-    from backend.serving.disagg_serve import _children
+    from backend.serving.disagg_serve import tree_pids
 
-    tick, total, todo, seen = os.sysconf("SC_CLK_TCK"), 0.0, list(pids), set()
-    while todo:
-        p = todo.pop()
-        if p in seen:
-            continue
-        seen.add(p)
+    tick, total = os.sysconf("SC_CLK_TCK"), 0.0
+    for p in tree_pids(pids):
         try:
             with open(f"/proc/{p}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
             total += (int(fields[11]) + int(fields[12])) / tick
-            todo += _children(p)
         except (OSError, ValueError, IndexError):
             pass
     return total

@@ -75,22 +75,33 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def tree_tids(pid: int, *, include_root: bool = True, descendants: bool = True) -> list[int]:
-    """Every thread id of ``pid`` (``include_root``) and of its descendants (``descendants``)."""
-    out: list[int] = []
-    todo = ([pid] if include_root else []) + (_children(pid) if descendants and not include_root else [])
-    seen: set[int] = set()
+def tree_pids(roots: list[int]):
+    """Each live process of ``roots`` and of their descendants, once."""
+    todo, seen = list(roots), set()
     while todo:
         p = todo.pop()
         if p in seen:
             continue
         seen.add(p)
+        yield p
+        try:
+            todo += _children(p)
+        except OSError:                 # gone meanwhile
+            pass
+
+
+def tree_tids(pid: int, *, include_root: bool = True, descendants: bool = True) -> list[int]:
+    """Every thread id of ``pid`` (``include_root``) and of its descendants (``descendants``)."""
+    if include_root:
+        procs = tree_pids([pid]) if descendants else [pid]
+    else:
+        procs = tree_pids(_children(pid)) if descendants else []
+    out: list[int] = []
+    for p in procs:
         try:
             out += [int(t) for t in os.listdir(f"/proc/{p}/task")]
         except OSError:
             continue
-        if descendants:
-            todo += _children(p)
     return out
 
 
