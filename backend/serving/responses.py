@@ -48,48 +48,44 @@ def wants_text(want: Collection[str] | None) -> bool:
     return want is None or not TEXT_NAMES.isdisjoint(want)
 
 
+def metrics_json(delta: StepDelta, ttft: float | None) -> str:
+    """The final response's metrics (plus the hand-over record of a prefill-role engine), else ""."""
+    if not delta.finished:
+        return ""
+    m = {"queue_time": round(delta.queue_time, 6), "ttft": None if ttft is None else round(ttft, 6),
+         "num_preemptions": delta.num_preemptions}
+    record = getattr(delta, "handover", None)       # prefill role: backend/serving/disagg_engine.py
+    if record is not None:
+        m[P.HANDOVER] = record
+    return json.dumps(m)
+
+
+# output name -> builder(delta, ttft), in ENGINE_OUTPUTS order (the text outputs come from the caller)
+_BUILDERS = (
+    (P.OUTPUT_IDS, lambda d, t: np.array(d.new_token_ids, dtype=_INT32)),
+    (P.WINDOW_IDS, lambda d, t: np.array(d.window_ids, dtype=_INT32)),
+    (P.NUM_SENT, lambda d, t: _int1(d.num_sent)),
+    (P.MAX_CHARS, lambda d, t: _int1(d.max_chars)),
+    (P.FINISH_REASON, lambda d, t: _str1(finish_reason_of(d))),
+    (P.INDEX, lambda d, t: _int1(d.index)),
+    (P.PROMPT_TOKENS, lambda d, t: _int1(d.prompt_tokens)),
+    (P.COMPLETION_TOKENS, lambda d, t: _int1(d.completion_tokens)),
+    (P.CACHED_TOKENS, lambda d, t: _int1(d.cached_tokens)),
+    (P.LOGPROBS, lambda d, t: _str1(logprobs_json(d))),
+    (P.METRICS, lambda d, t: _str1(metrics_json(d, t))),
+)
+
+
 def engine_outputs(delta: StepDelta, *, ttft: float | None = None, text: tuple[str, str] | None = None,
                    want: Collection[str] | None = None) -> dict[str, np.ndarray]:
     """The response tensors of one delta. ``text`` = (text delta, OpenAI logprobs JSON) when the
     response thread detokenized it (else those two outputs are left out); ``want`` = the output
     names the caller requested (None: all)."""
-    metrics = ""
-    if delta.finished:
-        m = {"queue_time": round(delta.queue_time, 6), "ttft": None if ttft is None else round(ttft, 6),
-             "num_preemptions": delta.num_preemptions}
-        record = getattr(delta, "handover", None)       # prefill role: backend/serving/disagg_engine.py
-        if record is not None:
-            m[P.HANDOVER] = record
-        metrics = json.dumps(m)
-    out: dict[str, np.ndarray] = {}
-    w = want
-    if w is None or P.OUTPUT_IDS in w:
-        out[P.OUTPUT_IDS] = np.array(delta.new_token_ids, dtype=_INT32)
-    if w is None or P.WINDOW_IDS in w:
-        out[P.WINDOW_IDS] = np.array(delta.window_ids, dtype=_INT32)
-    if w is None or P.NUM_SENT in w:
-        out[P.NUM_SENT] = _int1(delta.num_sent)
-    if w is None or P.MAX_CHARS in w:
-        out[P.MAX_CHARS] = _int1(delta.max_chars)
-    if w is None or P.FINISH_REASON in w:
-        out[P.FINISH_REASON] = _str1(finish_reason_of(delta))
-    if w is None or P.INDEX in w:
-        out[P.INDEX] = _int1(delta.index)
-    if w is None or P.PROMPT_TOKENS in w:
-        out[P.PROMPT_TOKENS] = _int1(delta.prompt_tokens)
-    if w is None or P.COMPLETION_TOKENS in w:
-        out[P.COMPLETION_TOKENS] = _int1(delta.completion_tokens)
-    if w is None or P.CACHED_TOKENS in w:
-        out[P.CACHED_TOKENS] = _int1(delta.cached_tokens)
-    if w is None or P.LOGPROBS in w:
-        out[P.LOGPROBS] = _str1(logprobs_json(delta))
-    if w is None or P.METRICS in w:
-        out[P.METRICS] = _str1(metrics)
+    out = {name: build(delta, ttft) for name, build in _BUILDERS if want is None or name in want}
     if text is not None:
-        if w is None or P.TEXT_OUTPUT in w:
-            out[P.TEXT_OUTPUT] = _str1(text[0])
-        if w is None or P.TEXT_LOGPROBS in w:
-            out[P.TEXT_LOGPROBS] = _str1(text[1])
+        for name, value in ((P.TEXT_OUTPUT, text[0]), (P.TEXT_LOGPROBS, text[1])):
+            if want is None or name in want:
+                out[name] = _str1(value)
     return out
 
 
