@@ -385,7 +385,7 @@ class TritonLLMClient:
             await asyncio.wait_for(drain(), timeout)
             return True
         except Exception as exc:                # noqa: BLE001 -- best effort, logged
-            log.warning("abort of %s failed: %s", request_id, exc)
+            log.warning("abort of %s failed: %s: %s", request_id, type(exc).__name__, exc)
             return False
         finally:
             if call is not None:
