@@ -1,4 +1,4 @@
-"""Fewer sends for the same tokens: merge a choice's queued deltas, and decide when gathering may wait.
+"""Fewer sends for the same tokens: merge a choice's queued (or held) deltas.
 
 Under load the engine produces deltas faster than one IPC send each can carry them; merging a
 choice's backlog keeps every token and its order while sending (and postprocessing) once.
@@ -44,11 +44,3 @@ def coalesce(batch: list[Message]) -> list[Message]:
         else:
             out[at] = DeltaArrived(msg.handle, merged)
     return out
-
-
-def only_mid_stream(batch: list[Message]) -> bool:
-    """True when waiting delays no first token, final, error or control answer: only later tokens
-    of streams that already sent their first one (``stream_interval`` may gather those)."""
-    return bool(batch) and all(
-        isinstance(m, DeltaArrived) and m.handle.stream and m.handle.first_token is not None
-        and not m.delta.finished for m in batch)

@@ -59,6 +59,14 @@ class RequestHandle:
     want: frozenset[str] | None = None      # output names to build (None: all; responses.py)
     skip_special_tokens: bool = True        # for the text outputs (backend/serving/postprocess.py)
     cancel_every: float = 0.0               # is_cancelled() at most this often (response_thread.py)
+    held: dict[int, "Held"] = field(default_factory=dict)   # choice -> its gathered, unsent delta
+
+
+@dataclass(slots=True)
+class Held:
+    """A choice's mid-stream tokens the response thread gathers (merged deltas), sent by ``due``."""
+    delta: StepDelta
+    due: float
 
 
 @dataclass(slots=True)

@@ -21,6 +21,17 @@ turns each delta into its text delta (and OpenAI-shaped logprobs) when the calle
 ``text_output``/``text_logprobs``, as the ``llm`` ensemble does: the ensemble then returns the
 engine's responses directly, without a postprocessing model call per token. Only the outputs a
 caller requested are built. A detokenization failure ends that request with an internal error.
+
+Gathering: with a hold interval (``stream_interval``, or ``busy_stream_interval`` while at least
+``busy_streams`` requests are open) a choice's mid-stream delta that comes less than the interval
+after the choice's last send is held and merged with the next ones (``coalesce.merge_deltas``: the
+same tokens and text), so one response (one ``send`` IPC, one ensemble hop, one gRPC message, one
+SSE chunk) carries several steps' tokens. Each choice has its own clock, so steps slower than the
+interval are never held (nothing to gather), and a held token waits at most the interval: the first
+delta that comes an interval after the last send takes it along (sends stay on step boundaries),
+else the thread wakes up at its deadline (the steps stalled). Never held: a choice's first
+token, finals (a held delta goes with them), errors (the held tokens go first), a cancelled
+request's tokens (dropped, as before).
 """
 from __future__ import annotations
 
@@ -33,11 +44,11 @@ from typing import Any, Callable
 from backend import protocol as P
 from backend.errors import EngineError, internal, unavailable
 from backend.outputs import StepDelta
-from backend.serving.coalesce import coalesce, only_mid_stream
+from backend.serving.coalesce import coalesce, merge_deltas
 from backend.serving.errors import wire_kind
 from backend.serving.latency import ABORT_TO_FREE, LatencyRecorder
-from backend.serving.messages import (STOP, ControlAnswered, DeltaArrived, Message, Opened, Rejected,
-                                      RequestHandle)
+from backend.serving.messages import (STOP, ControlAnswered, DeltaArrived, Held, Message, Opened,
+                                      Rejected, RequestHandle)
 from backend.serving.responses import control_outputs, engine_outputs, wants_text
 from backend.serving.tombstones import AbortTombstones
 
@@ -46,7 +57,7 @@ log = logging.getLogger(__name__)
 MAX_DRAIN = 4096                # messages taken per step (bounds one step's latency under a flood)
 CANCEL_CHECK_INTERVAL = 0.02    # s; at the 16-stream goal rate (~20 ms a token) about every other send
 BUSY_STREAMS = 16               # open requests from which busy_stream_interval gathers tokens
-BUSY_RETRY = 1.0                # s; busy gathering pauses this long after a wait that gathered nothing
+DUE_SLACK = 0.001               # s; held deltas due this soon go with the ones due now (one wake-up)
 
 
 class ResponseThread:
@@ -64,7 +75,7 @@ class ResponseThread:
         self.stream_interval = stream_interval
         self.busy_stream_interval = busy_stream_interval
         self.busy_streams = busy_streams
-        self._busy_retry_at = 0.0           # busy gathering paused until then (it gathered nothing)
+        self._holding: dict[RequestHandle, None] = {}   # requests with held deltas (ordered set)
         self.sweep_interval = sweep_interval
         self.cancel_check_interval = cancel_check_interval
         self._clock = clock
@@ -112,18 +123,15 @@ class ResponseThread:
             pass
 
     def step(self, timeout: float | None) -> bool:
-        """Handle what is queued (waiting up to ``timeout`` for the first message); False after STOP."""
+        """Handle what is queued (waiting up to ``timeout`` for the first message, less if a held
+        delta falls due sooner); False after STOP."""
+        if self._holding and timeout is not None:
+            timeout = max(0.0, min(timeout, self._next_due() - self._clock()))
         try:
             batch = [self._q.get(timeout=timeout)]
         except queue.Empty:
             batch = []
         self._drain(batch)
-        interval = self._gather_interval()
-        if interval > 0 and only_mid_stream(batch):
-            if not self._linger(batch, interval) and self.stream_interval <= 0:
-                # steps slower than busy_stream_interval: waiting gathers nothing, so stop
-                # waiting (and try again in a while: the batch or the load may change)
-                self._busy_retry_at = self._clock() + BUSY_RETRY
         stop = bool(batch) and batch[-1] is STOP
         for msg in coalesce(batch[:-1] if stop else batch):
             try:
@@ -134,6 +142,8 @@ class ResponseThread:
             self._close()
             return False
         now = self._clock()
+        if self._holding:
+            self._send_due(now)
         if now >= self._next_sweep:
             self._sweep(now)
             self._next_sweep = now + self.sweep_interval
@@ -148,33 +158,46 @@ class ResponseThread:
             except queue.Empty:
                 return
 
-    def _gather_interval(self) -> float:
-        """How long mid-stream tokens may wait to be gathered: ``stream_interval`` if set, else
-        ``busy_stream_interval`` while at least ``busy_streams`` requests are open (many streams:
-        each response's IPC and downstream work is worth sharing between steps), else 0."""
+    def hold_interval(self) -> float:
+        """How long a choice's mid-stream tokens may wait to be gathered: ``stream_interval`` if
+        set, else ``busy_stream_interval`` while at least ``busy_streams`` requests are open (many
+        streams: each response's IPC and downstream work is worth sharing between steps), else 0."""
         if self.stream_interval > 0:
             return self.stream_interval
-        if self.busy_stream_interval > 0 and len(self._open) >= self.busy_streams \
-                and self._clock() >= self._busy_retry_at:
+        if self.busy_stream_interval > 0 and len(self._open) >= self.busy_streams:
             return self.busy_stream_interval
         return 0.0
 
-    def _linger(self, batch: list[Message], interval: float) -> bool:
-        """Gather the next steps' tokens of mid-stream requests for up to ``interval``; stop
-        waiting as soon as anything else arrives (a first token, a final, a control answer).
-        True if anything arrived while waiting."""
-        deadline = self._clock() + interval
-        got = False
-        while (remaining := deadline - self._clock()) > 0:
-            try:
-                batch.append(self._q.get(timeout=remaining))
-            except queue.Empty:
-                return got
-            got = True
-            self._drain(batch)
-            if not only_mid_stream(batch):
-                return got
-        return got
+    def _next_due(self) -> float:
+        return min(held.due for h in self._holding for held in h.held.values())
+
+    def _send_due(self, now: float) -> None:
+        """Send the held deltas whose deadline passed (no later step came to carry them)."""
+        for h in list(self._holding):
+            for index, held in list(h.held.items()):
+                if held.due <= now + DUE_SLACK:
+                    del h.held[index]
+                    self._send(h, held.delta, now, last=False)
+            if not h.held:
+                self._holding.pop(h, None)
+
+    def _take_held(self, h: RequestHandle, index: int) -> Held | None:
+        held = h.held.pop(index, None)
+        if held is not None and not h.held:
+            self._holding.pop(h, None)
+        return held
+
+    def _send_held(self, h: RequestHandle, now: float) -> None:
+        """Send every held delta of ``h`` now (before its error or shutdown final)."""
+        for index in list(h.held):
+            self._send(h, self._take_held(h, index).delta, now, last=False)
+            if h.done or h.cancelled:
+                return
+
+    def _drop_held(self, h: RequestHandle) -> None:
+        if h.held:
+            h.held.clear()
+            self._holding.pop(h, None)
 
     def _handle(self, msg: Message) -> None:
         if isinstance(msg, DeltaArrived):
@@ -213,6 +236,31 @@ class ResponseThread:
             if last:
                 self._finish(h)
             return
+        due = None
+        if h.held:
+            held = self._take_held(h, d.index)
+            if held is not None:
+                # an abort final goes alone (clients stop reading at it); a stop-string cut is
+                # never merged: in both cases the held tokens go first
+                merged = None if d.finish_reason == "abort" else merge_deltas(held.delta, d)
+                if merged is None:
+                    self._send(h, held.delta, now, last=False)
+                    if h.done or h.cancelled:
+                        return
+                else:
+                    d, due = merged, held.due
+        if not d.finished and h.stream:
+            interval = self.hold_interval()
+            if interval > 0:
+                sent = h.last_token.get(d.index)
+                if sent is not None and now - sent < interval:      # not a first token: hold it
+                    h.held[d.index] = Held(d, due=now + interval if due is None else due)
+                    self._holding[h] = None
+                    return
+        self._send(h, d, now, last)
+
+    def _send(self, h: RequestHandle, d: StepDelta, now: float, last: bool) -> None:
+        """Detokenize, build and send one delta's response (FINAL with the last choice's final)."""
         text = None
         if self.detokenizer is not None and wants_text(h.want):
             try:
@@ -267,6 +315,7 @@ class ResponseThread:
     def _cancel(self, h: RequestHandle, now: float) -> None:
         """Stop generating; the request's FINAL goes out bare when the engine's abort delta comes."""
         h.cancelled = True
+        self._drop_held(h)
         fut = self.loop.abort(h.rid)
         m = self.metrics
         if m is not None:
@@ -285,6 +334,10 @@ class ResponseThread:
         """Send the request's one FINAL (with an error response if given)."""
         if h.done:
             return
+        if h.held and not h.cancelled:      # tokens generated before the error still go out
+            self._send_held(h, self._clock())
+            if h.done:
+                return
         if abort_rest and getattr(self.loop, "healthy", True):
             self.loop.abort(h.rid)          # its other choices must stop too
         try:
@@ -295,6 +348,7 @@ class ResponseThread:
 
     def _done(self, h: RequestHandle) -> None:
         h.done = True
+        self._drop_held(h)
         self._open.pop(h, None)
         self.tombstones.finished(h.rid)
 

@@ -402,24 +402,124 @@ def gathering_service(clock, interval):
 
 
 def test_stream_interval_gathers_mid_stream_tokens_but_not_the_first(clock):
-    svc, q = gathering_service(clock, 0.2)
+    svc, q = gathering_service(clock, 0.15)
     r = submit(svc, max_tokens=9)
     step(svc)
     emit(svc, "r", delta("r", [7]))
-    assert r.ids() == [[7]] and q.waits == []           # the first token went at once
-    q.arrivals = [[0.05, lambda t=t: svc.loop.emit("r", delta("r", [t]))] for t in (9, 10)]
-    emit(svc, "r", delta("r", [8]))
-    assert r.ids() == [[7], [8, 9, 10]]                   # one send for three steps' tokens
-    assert q.waits == [0.2, 0.15, 0.1]                    # ... after waiting out the interval
+    assert r.ids() == [[7]]                               # the first token went at once
+    for t in (8, 9, 10):                                  # a step every 40 ms: held
+        emit(svc, "r", delta("r", [t]), dt=0.04)
+    assert r.ids() == [[7]]
+    assert svc.responses.step(SWEEP)                      # the steps stalled: the wait ends at the
+    assert q.waits == [0.07] and r.ids() == [[7], [8, 9, 10]]     # held tokens' deadline
+    assert [f for _, _, f in r.sent] == [False, False]
     emit(svc, "r", delta("r", [11], finished=True, reason="length"))
-    assert r.ids()[-1] == [11] and r.finals == 1 and q.waits == [0.2, 0.15, 0.1]
+    assert r.ids()[-1] == [11] and r.finals == 1          # a final is never held
 
 
-def test_stream_interval_stops_waiting_for_a_final(clock):
+def test_the_next_step_after_the_deadline_carries_the_held_tokens(clock):
+    svc, q = gathering_service(clock, 0.05)
+    r = submit(svc, max_tokens=20)
+    emit(svc, "r", delta("r", [1]))
+    for t in range(2, 8):                                 # a step every 30 ms: every other one sends
+        emit(svc, "r", delta("r", [t]), dt=0.03)
+    assert r.ids() == [[1], [2, 3], [4, 5], [6, 7]] and q.waits == []
+
+
+def test_steps_slower_than_the_interval_are_never_held(clock):
+    svc, q = gathering_service(clock, 0.05)
+    r = submit(svc, max_tokens=20)
+    for t in range(1, 6):
+        emit(svc, "r", delta("r", [t]), dt=0.06)
+    assert r.ids() == [[1], [2], [3], [4], [5]] and svc.responses._holding == {}
+
+
+def test_a_final_takes_the_held_tokens_with_it(clock):
     svc, q = gathering_service(clock, 2.0)
     r = submit(svc, max_tokens=9)
     emit(svc, "r", delta("r", [7]))
-    q.arrivals = [[0.05, lambda: svc.loop.emit("r", delta("r", [9], finished=True, reason="length"))],
-                  [0.05, lambda: pytest.fail("lingered past the final")]]
     emit(svc, "r", delta("r", [8]))
-    assert q.waits == [2.0] and r.ids() == [[7], [8, 9]] and r.reasons()[-1] == "length" and r.finals == 1
+    emit(svc, "r", delta("r", [9], finished=True, reason="length"))
+    assert r.ids() == [[7], [8, 9]] and r.reasons() == ["", "length"] and r.finals == 1
+    assert svc.responses._holding == {} and q.waits == []
+
+
+def test_a_stop_string_cut_is_not_merged_the_held_tokens_go_first(clock):
+    svc, _ = gathering_service(clock, 2.0)
+    r = submit(svc, max_tokens=9)
+    emit(svc, "r", delta("r", [7]))
+    emit(svc, "r", delta("r", [8]))
+    cut = StepDelta("r", 0, [9], [9], 0, max_chars=0, finished=True, finish_reason="stop")
+    emit(svc, "r", cut)
+    assert r.ids() == [[7], [8], [9]] and [f for _, _, f in r.sent] == [False, False, True]
+
+
+def test_an_abort_final_is_not_merged_the_held_tokens_go_first(clock):
+    svc, _ = gathering_service(clock, 2.0)
+    r = submit(svc, max_tokens=9)
+    emit(svc, "r", delta("r", [7]))
+    emit(svc, "r", delta("r", [8]))
+    emit(svc, "r", delta("r", [], finished=True, reason="abort"))
+    assert r.ids() == [[7], [8], []] and r.reasons() == ["", "", "abort"] and r.finals == 1
+
+
+def test_an_error_sends_the_held_tokens_first(clock):
+    svc, _ = gathering_service(clock, 2.0)
+    r = submit(svc, max_tokens=9)
+    emit(svc, "r", delta("r", [7]))
+    emit(svc, "r", delta("r", [8]))
+    boom = internal("engine step failed")
+    emit(svc, "r", delta("r", [], finished=True, reason="error", error=boom))
+    assert r.ids() == [[7], [8]] and r.flags()[-1] == (True, False, True) and r.sent[-1][1] is boom
+
+
+def test_a_cancel_drops_the_held_tokens(clock):
+    svc, _ = gathering_service(clock, 2.0)
+    r = submit(svc, max_tokens=9)
+    emit(svc, "r", delta("r", [7]))
+    emit(svc, "r", delta("r", [8]))
+    r.cancelled = True
+    emit(svc, "r", delta("r", [9]), dt=SWEEP)             # due for a check: cancel seen
+    assert svc.loop.aborts == ["r"] and svc.responses._holding == {}
+    emit(svc, "r", delta("r", [], finished=True, reason="abort"))
+    assert r.ids() == [[7]] and r.flags()[-1] == (True, True, True) and r.finals == 1
+
+
+def test_choices_are_held_apart_and_shutdown_sends_what_is_held(clock):
+    svc, _ = gathering_service(clock, 2.0)
+    r = submit(svc, max_tokens=9, n=2)
+    svc.loop.emit("r", delta("r", [1], index=0))
+    svc.loop.emit("r", delta("r", [5], index=1))
+    step(svc)
+    svc.loop.emit("r", delta("r", [2], index=0))
+    svc.loop.emit("r", delta("r", [6], index=1))
+    step(svc)
+    svc.loop.emit("r", delta("r", [3], index=0))
+    step(svc)
+    assert r.ids() == [[1], [5]]
+    svc.loop.running.discard("r")                         # cut by the shutdown: held tokens still go
+    svc.shutdown(timeout=1)
+    assert sorted(r.ids()) == [[1], [2, 3], [5], [6]] and r.flags()[-1] == (True, False, True)
+    assert r.sent[-1][1].kind is ErrorKind.UNAVAILABLE and r.finals == 1
+
+
+def test_busy_stream_interval_holds_only_while_many_requests_are_open(clock):
+    svc = make_service(clock, busy_stream_interval=0.05)
+    svc.responses.busy_streams = 2
+    a = submit(svc, rid="a", max_tokens=20)
+    emit(svc, "a", delta("a", [1]))
+    emit(svc, "a", delta("a", [2]))                       # one open request: each token goes alone
+    assert a.ids() == [[1], [2]] and svc.responses.hold_interval() == 0.0
+    b = submit(svc, rid="b", max_tokens=20)
+    emit(svc, "b", delta("b", [1]))                       # a first token: never held
+    assert svc.responses.hold_interval() == 0.05
+    svc.loop.emit("a", delta("a", [3]))
+    svc.loop.emit("b", delta("b", [2]))
+    step(svc)
+    assert a.ids() == [[1], [2]] and b.ids() == [[1]]     # both held
+    svc.loop.emit("a", delta("a", [4]))
+    svc.loop.emit("b", delta("b", [3]))
+    step(svc, 0.05)
+    assert a.ids() == [[1], [2], [3, 4]] and b.ids() == [[1], [2, 3]]
+    svc.responses.stream_interval = 0.2                   # an explicit stream_interval wins
+    assert svc.responses.hold_interval() == 0.2

@@ -169,19 +169,6 @@ def test_ensemble_steps_are_checked_for_cancel_at_the_sweep_interval_only():
     assert (direct.checks, ens.checks) == (10, 2)
 
 
-def test_busy_stream_interval_gathers_only_with_many_open_requests():
-    clock = Clock()
-    svc = service(clock, busy_stream_interval=0.05)
-    svc.responses.busy_streams = 3
-    assert svc.responses._gather_interval() == 0.0
-    for i in range(3):
-        submit(svc, f"r{i}", None)
-    step(svc, clock)
-    assert svc.responses._gather_interval() == 0.05
-    svc.responses.stream_interval = 0.2                  # an explicit stream_interval wins
-    assert svc.responses._gather_interval() == 0.2
-
-
 def test_the_clients_one_pass_parse_equals_tritonclients_as_numpy():
     """client/triton_client.py reads a response's outputs once; same Chunk as InferResult.as_numpy."""
     import numpy as np
@@ -216,21 +203,33 @@ def test_the_clients_one_pass_parse_equals_tritonclients_as_numpy():
     assert fast.text == "héllo 🙂" and fast.token_ids == [5, 6] and fast.index == 1 and fast.window_ids is None
 
 
-def test_busy_gathering_pauses_when_steps_are_slower_than_its_interval():
+@pytest.mark.parametrize("seed", range(4))
+def test_gathered_responses_are_the_same_text_byte_for_byte(post, seed):
+    """busy_stream_interval holds and merges deltas at random step spacing: each response's text
+    and logprobs are what the postprocessing model makes of that (merged) response, and the stream's
+    text is the whole decode, multi-byte characters split across tokens included."""
+    rng = random.Random(seed)
+    text = "naïve café — 日本語 ok 🙂 " * 3
+    ids = post.tokenizer.encode(text, add_special_tokens=False) + [rng.randrange(300) for _ in range(12)]
     clock = Clock()
-    svc = service(clock, busy_stream_interval=0.01)
-    svc.responses.busy_streams = 2
-    rs = [submit(svc, rid, None) for rid in ("a", "b")]
+    svc = service(clock, post, busy_stream_interval=0.05)
+    svc.responses.busy_streams = 1
+    r = submit(svc, "a", ENSEMBLE_WANT)
     step(svc, clock)
-    for rid in ("a", "b"):                   # first tokens: sent at once, no waiting
-        svc.loop.sinks[rid](StepDelta(rid, 0, [1], [1], 0))
-    step(svc, clock)
-    assert [len(r.sent) for r in rs] == [1, 1] and svc.responses._busy_retry_at == 0.0
-    for rid in ("a", "b"):                   # mid-stream: it waits, nothing comes (a slow step)
-        svc.loop.sinks[rid](StepDelta(rid, 0, [2], [1, 2], 1))
-    step(svc, clock)
-    assert [len(r.sent) for r in rs] == [2, 2]
-    assert svc.responses._busy_retry_at == pytest.approx(clock.t + 1.0)
-    assert svc.responses._gather_interval() == 0.0       # paused ...
-    clock.t += 1.0
-    assert svc.responses._gather_interval() == 0.01      # ... for a second
+    for d in engine_deltas("a", ids, [rng.randint(1, 3) for _ in range(len(ids))]):
+        svc.loop.sinks["a"](d)
+        step(svc, clock, rng.choice([0.004, 0.02, 0.03, 0.06]))
+    sent = [o for o, _, _ in r.sent]
+    assert len(sent) < len(engine_deltas("a", ids, [1] * len(ids)))      # something was gathered
+    assert "".join(r.texts()) == post.tokenizer.decode(ids, skip_special_tokens=True,
+                                                       clean_up_tokenization_spaces=False)
+    at = 0
+    for o in sent:                          # each response = the postprocessing of its own ids
+        n = len(o[P.OUTPUT_IDS])
+        window = ids[window_start(at):at + n]
+        assert o[P.TEXT_OUTPUT][0].decode() == decode_delta(post.tokenizer, window, at - window_start(at),
+                                                           final=at + n == len(ids))
+        lps = [TokenLogprob(t, -0.5, [(t, -0.5), (t + 1, -1.25)]) for t in ids[at:at + n]]
+        assert o[P.TEXT_LOGPROBS][0].decode() == post.logprobs(logprobs_json(StepDelta("a", 0, [], [], 0, logprobs=lps)))
+        at += n
+    assert at == len(ids) and r.sent[-1][2] and sum(f for _, _, f in r.sent) == 1
