@@ -28,6 +28,8 @@ except ImportError:             # pragma: no cover - requirements.txt pins orjso
 
 from client.triton_client import Chunk
 
+_MARK = "\ue000\u2063text\ue001"     # stands for the text in a chunk template (private-use characters)
+
 
 @dataclass
 class _Choice:
@@ -68,6 +70,7 @@ class Tally:
         self.cached_tokens: dict[int, int] = {}
         self.metrics: list[dict] = []
         self.e2e: float | None = None
+        self._templates: dict[int, tuple[str, str] | None] = {}
 
     # -- accumulate -------------------------------------------------------------------------
     def add(self, index: int, prompt_index: int, chunk: Chunk) -> None:
@@ -143,6 +146,25 @@ class Tally:
         body.update(extra)
         return f"data: {dumps(body)}\n\n"
 
+    def _text_event(self, index: int, text: str) -> str:
+        """The mid-stream chunk of ``text`` without logprobs, the same bytes as ``_event`` makes:
+        the chunk's JSON around the text is made once per choice, and only the text is encoded per
+        chunk (the one event per streamed response)."""
+        t = self._templates.get(index, False)
+        if t is False:
+            if self.chat:
+                choice = {"index": index, "delta": {"content": _MARK}, "logprobs": None, "finish_reason": None}
+            else:
+                choice = {"index": index, "text": _MARK, "logprobs": None, "finish_reason": None}
+            parts = self._event([choice]).split(dumps(_MARK))
+            t = self._templates[index] = (parts[0], parts[1]) if len(parts) == 2 else None
+        if t is None:                   # the mark occurs elsewhere (never in practice): no template
+            if self.chat:
+                return self._event([{"index": index, "delta": {"content": text}, "logprobs": None,
+                                     "finish_reason": None}])
+            return self._event([{"index": index, "text": text, "logprobs": None, "finish_reason": None}])
+        return t[0] + dumps(text) + t[1]
+
     def start_events(self) -> list[str]:
         if not self.chat:
             return []
@@ -161,13 +183,17 @@ class Tally:
         last = bool(chunk.finish_reason) and self.done
         extra = {"triton_llm": self.timing()} if last and not self.include_usage else {}
         if self.chat:
-            if chunk.text or lp_entries:
+            if not self.want_logprobs and chunk.text:
+                events.append(self._text_event(index, chunk.text))
+            elif chunk.text or lp_entries:
                 lp = {"content": lp_entries, "refusal": None} if self.want_logprobs else None
                 events.append(self._event([{"index": index, "delta": {"content": chunk.text},
                                             "logprobs": lp, "finish_reason": None}]))
             if chunk.finish_reason:
                 events.append(self._event([{"index": index, "delta": {}, "logprobs": None,
                                             "finish_reason": chunk.finish_reason}], **extra))
+        elif not self.want_logprobs and chunk.text and not chunk.finish_reason:
+            events.append(self._text_event(index, chunk.text))
         elif chunk.text or lp_entries or chunk.finish_reason:
             lp = legacy_logprobs(lp_entries, offset) if self.want_logprobs else None
             events.append(self._event([{"index": index, "text": chunk.text, "logprobs": lp,
