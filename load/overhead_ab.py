@@ -5,6 +5,11 @@ round by round so background load hits every contender alike.
 
     python -m load.overhead_ab --model bench-15m --concurrency 1 16 32 --rounds 2
 
+Before/after a code change in one run: ``NAME@tree=DIR`` serves that contender's stack from another
+checkout (e.g. ``git archive <commit> | tar -x -C DIR``, with ``DIR/build`` linked to this tree's
+build/ for the cached models and kernels), in a child process with ``DIR`` as its working directory;
+the benchmark client stays this tree's.
+
 Per contender and load point: output tok/s, ITL p50, and the CPU time of every process involved
 (the benchmark process, tritonserver and its stubs, the shim) per output token -- CPU time is what
 competes with the engine's compute thread on a small machine, and it is robust to being descheduled.
@@ -17,6 +22,8 @@ import asyncio
 import json
 import os
 import pathlib
+import statistics
+import subprocess
 import sys
 import time
 
@@ -36,9 +43,57 @@ CONTENDERS = {
 }
 
 
-def _pids(stack: Stack | None) -> list[int]:
+# run in the other checkout (its own load.stack): start the stack, print its URLs and process
+# groups, keep it up until stdin closes
+_TREE_STACK = """
+import json, sys
+from load.stack import Stack, resolve_model
+model, opts, shim = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3] == "1"
+with Stack(resolve_model(model), opts, shim=shim) as st:
+    print(json.dumps({"shim_url": st.shim_url if shim else None, "grpc_url": st.grpc_url,
+                      "metrics_url": st.metrics_url,
+                      "groups": [st.server.proc.pid] + ([st.shim_proc.pid] if st.shim_proc else [])}), flush=True)
+    sys.stdin.read()
+"""
+
+
+class TreeStack:
+    """The Stack of another checkout, in a child process (same interface as far as this module uses it)."""
+
+    def __init__(self, tree: str, model: str, opts: dict, shim: bool) -> None:
+        self.tree, self.model, self.opts, self.shim = tree, model, opts, shim
+        self.proc = None
+
+    def __enter__(self) -> "TreeStack":
+        env = {**os.environ, "PYTHONPATH": str(pathlib.Path(self.tree).resolve())}
+        self.proc = subprocess.Popen([sys.executable, "-c", _TREE_STACK, str(self.model),
+                                      json.dumps({k: str(v) for k, v in self.opts.items()}),
+                                      "1" if self.shim else "0"],
+                                     cwd=self.tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                self.proc.wait()
+                raise RuntimeError(f"the stack of {self.tree} did not start (exit {self.proc.returncode})")
+            if line.startswith('{"shim_url"'):
+                break
+        info = json.loads(line)
+        self.shim_url, self.grpc_url, self.metrics_url = info["shim_url"], info["grpc_url"], info["metrics_url"]
+        self.groups = info["groups"]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=120)
+
+
+def _pids(stack) -> list[int]:
     pids = [os.getpid()]
-    if stack is not None:
+    if isinstance(stack, TreeStack):
+        for g in stack.groups:
+            pids += group_members(g)
+    elif stack is not None:
         pids += group_members(stack.server.proc.pid)
         if stack.shim_proc is not None:
             pids += group_members(stack.shim_proc.pid)
@@ -65,6 +120,7 @@ def split_contender(label: str) -> tuple[str, dict]:
 
 async def run_contender(label: str, model: str, opts: dict, points: list[tuple[int, int]], seed: int) -> list[dict]:
     name, extra = split_contender(label)
+    tree = extra.pop("tree", None)
     opts = {**opts, **extra}
     old_env = os.environ.get(POSTPROCESSING_STEP_ENV)
     if name.endswith("-post"):
@@ -75,6 +131,8 @@ async def run_contender(label: str, model: str, opts: dict, points: list[tuple[i
     try:
         if name == "engine":
             be = EngineBackend(resolve_model(model), opts)
+        elif tree is not None:
+            stack = TreeStack(tree, str(resolve_model(model)), opts, shim=name.startswith("http")).__enter__()
         else:
             stack = Stack(resolve_model(model), opts, shim=name.startswith("http")).__enter__()
             be = (ShimBackend(stack.shim_url, metrics_url=stack.metrics_url) if name.startswith("http")
@@ -116,19 +174,27 @@ async def run_contender(label: str, model: str, opts: dict, points: list[tuple[i
 
 
 def table(results: list[dict], contenders: list[str]) -> str:
+    """Best round per contender (highest tok/s, lowest CPU ms/token), and the median over rounds of
+    tok/s against the in-process engine's tok/s of the same round (rounds run back to back, so
+    this pairs contenders that saw similar background load)."""
     base = next((c for c in contenders if c.split("@")[0] == "engine"), None)
-    lines = ["| streams | contender | tok/s (best) | of in-process | ITL p50 ms | CPU ms / token (best) |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| streams | contender | tok/s (best) | of in-process (best / median per round) | "
+             "ITL p50 ms | CPU ms / token (best) |", "|---|---|---|---|---|---|"]
     concs = sorted({r["concurrency"] for r in results})
     for c in concs:
-        best = {}
+        best, per_round = {}, {}
         for name in contenders:
             rows = [r for r in results if r["contender"] == name and r["concurrency"] == c]
             if rows:
                 top = max(rows, key=lambda r: r["tok_s"])
                 best[name] = (top["tok_s"], top["itl_p50_ms"], min(r["cpu_ms_per_token"] for r in rows))
+                per_round[name] = {r["round"]: r["tok_s"] for r in rows if "round" in r}
         for name, (tok, itl, cpu) in best.items():
-            share = f"{tok / best[base][0]:.0%}" if base in best else "-"
+            share = "-"
+            if base in best:
+                paired = [t / per_round[base][rnd] for rnd, t in per_round[name].items() if rnd in per_round[base]]
+                med = f" / {statistics.median(paired):.0%}" if paired else ""
+                share = f"{tok / best[base][0]:.0%}{med}"
             lines.append(f"| {c} | {name} | {tok:.0f} | {share} | {itl:.2f} | {cpu:.2f} |")
     return "\n".join(lines)
 
@@ -142,7 +208,12 @@ async def main_async(args) -> dict:
         order = args.contenders if rnd % 2 == 0 else list(reversed(args.contenders))
         for name in order:
             print(f"round {rnd + 1}: {name}", flush=True)
-            for r in await run_contender(name, args.model, opts, points, args.seed):
+            try:
+                rows = await run_contender(name, args.model, opts, points, args.seed)
+            except Exception as exc:        # noqa: BLE001 - a stack that did not start (a busy host): next
+                print(f"  {name}: round {rnd + 1} failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                continue
+            for r in rows:
                 r["round"] = rnd + 1
                 results.append(r)
     return {"command": "python -m load.overhead_ab " + " ".join(sys.argv[1:]), "model": args.model,

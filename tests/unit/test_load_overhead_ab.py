@@ -1,0 +1,27 @@
+"""load/overhead_ab.py's table and contender labels (the benchmark itself needs a server)."""
+from __future__ import annotations
+
+import pytest
+
+from load.overhead_ab import split_contender, table
+
+
+def row(name, rnd, tok_s, cpu):
+    return dict(contender=name, concurrency=32, round=rnd, tok_s=tok_s, itl_p50_ms=1.0, cpu_ms_per_token=cpu)
+
+
+def test_table_pairs_each_round_with_the_engine_of_the_same_round():
+    results = [row("engine", 1, 1000, 1.2), row("engine", 2, 500, 1.3), row("engine", 3, 900, 1.25),
+               row("http@tree=/tmp/b", 1, 700, 2.4), row("http@tree=/tmp/b", 2, 400, 2.5),
+               row("http@tree=/tmp/b", 3, 630, 2.6)]
+    lines = table(results, ["engine", "http@tree=/tmp/b"]).splitlines()
+    assert lines[2] == "| 32 | engine | 1000 | 100% / 100% | 1.00 | 1.20 |"
+    # best 700 / best 1000 = 70 %; per round 70 %, 80 %, 70 % -> median 70 %
+    assert lines[3] == "| 32 | http@tree=/tmp/b | 700 | 70% / 70% | 1.00 | 2.40 |"
+
+
+def test_contender_labels_carry_engine_options_and_a_tree():
+    assert split_contender("http@busy_stream_interval=0.1@tree=/tmp/base") == \
+        ("http", {"busy_stream_interval": "0.1", "tree": "/tmp/base"})
+    with pytest.raises(ValueError, match="unknown contender"):
+        split_contender("https")
