@@ -35,6 +35,8 @@ log = logging.getLogger("triton_llm.client")
 ENSEMBLE = P.ENSEMBLE
 ENGINE = P.ENGINE
 ABORT_TIMEOUT = 10.0
+ABORT_ATTEMPTS = 2             # a spawned abort that failed is sent once more
+ABORT_RETRY_DELAY = 0.2
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 
 __all__ = ["Chunk", "TritonLLMClient", "TritonLLMError", "InvalidRequestError", "QueueFullError",
@@ -352,11 +354,22 @@ class TritonLLMClient:
     def _spawn_abort(self, request_id: str, tenant: str | None = None) -> None:
         """Fire-and-forget explicit abort (safe inside a cancelled task: it does not await)."""
         try:
-            task = asyncio.get_running_loop().create_task(self.abort(request_id, tenant=tenant))
+            task = asyncio.get_running_loop().create_task(self._abort_retrying(request_id, tenant))
         except RuntimeError:                    # no loop (interpreter shutdown)
             return
         self._aborts.add(task)
         task.add_done_callback(self._aborts.discard)
+
+    async def _abort_retrying(self, request_id: str, tenant: str | None) -> bool:
+        """The abort of a stream we left: it is the only thing that stops the request (the RPC is
+        half-closed, never cancelled), so one that failed (a busy server timed out, the connection
+        dropped) is sent once more rather than leaving the request to run to its end."""
+        for attempt in range(ABORT_ATTEMPTS):
+            if await self.abort(request_id, tenant=tenant):
+                return True
+            if attempt + 1 < ABORT_ATTEMPTS:
+                await asyncio.sleep(ABORT_RETRY_DELAY)
+        return False
 
     async def abort(self, request_id: str, timeout: float = ABORT_TIMEOUT, *,
                     tenant: str | None = None) -> bool:

@@ -164,6 +164,44 @@ def test_early_exit_cancels_stream_and_sends_explicit_abort():
     assert abort_req["model_name"] == "engine" and abort_req["inputs"] == []
 
 
+def test_a_failed_abort_is_sent_once_more(monkeypatch):
+    """The abort is what stops a stream we left; one that failed (timed out on a busy server) is
+    retried, so the request does not run to its end."""
+    import client.triton_client as tc
+
+    monkeypatch.setattr(tc, "ABORT_RETRY_DELAY", 0.0)
+
+    class FailingAbortCall(FakeCall):
+        async def __anext__(self):
+            await self.requests.__anext__()
+            raise ConnectionError("the server dropped the connection")
+
+    async def go():
+        client = make_client([(result(0, "a"), None), (result(0, "b"), None)])
+        grpc, made = client._grpc, []
+        real = grpc.stream_infer
+
+        def stream_infer(requests):
+            if len(grpc.calls) == 1 and not made:        # the first abort fails
+                made.append(1)
+                call = FailingAbortCall(requests, [], hang=False)
+                grpc.calls.append(call)
+                return call
+            return real(requests)
+
+        grpc.stream_infer = stream_infer
+        agen = client.generate(prompt="p", request_id="r-retry", params={})
+        async for _ in agen:
+            break
+        await agen.aclose()
+        await client.wait_aborts()
+        return client
+
+    client = run(go())
+    assert len(client._grpc.calls) == 3                      # the stream, a failed abort, the retry
+    assert client._grpc.calls[2].first["parameters"]["abort_request_id"] == "r-retry"
+
+
 def test_explicit_abort_carries_the_streams_tenant():
     """The engine aborts only a request of the caller's own tenant, so the abort must say which."""
     async def go():
