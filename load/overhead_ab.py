@@ -131,10 +131,10 @@ async def run_contender(label: str, model: str, opts: dict, points: list[tuple[i
     try:
         if name == "engine":
             be = EngineBackend(resolve_model(model), opts)
-        elif tree is not None:
-            stack = TreeStack(tree, str(resolve_model(model)), opts, shim=name.startswith("http")).__enter__()
         else:
-            stack = Stack(resolve_model(model), opts, shim=name.startswith("http")).__enter__()
+            stack = (TreeStack(tree, str(resolve_model(model)), opts, shim=name.startswith("http"))
+                     if tree is not None else Stack(resolve_model(model), opts, shim=name.startswith("http")))
+            stack = stack.__enter__()
             be = (ShimBackend(stack.shim_url, metrics_url=stack.metrics_url) if name.startswith("http")
                   else GrpcBackend(stack.grpc_url, metrics_url=stack.metrics_url))
         out = []
