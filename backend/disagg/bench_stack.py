@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import statistics
@@ -45,10 +46,11 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-async def run_phase(client, a, seed: int) -> dict:
+async def run_phase(client, a, seed: int, tag: str = "") -> dict:
     rng = random.Random(seed)
     itl: list[float] = []
     ttft: list[float] = []
+    arrivals: list[tuple[str, int, float]] = []      # --trace: (request id, tokens, arrival)
     tokens = 0
     t_start = time.monotonic()
     t_measure = t_start + a.warmup
@@ -62,11 +64,14 @@ async def run_phase(client, a, seed: int) -> dict:
             params = {"max_tokens": a.stream_tokens, "min_tokens": a.stream_tokens, "temperature": 0,
                       "ignore_eos": True}
             last = None
-            agen = client.generate_ids(prompt, request_id=f"s{seed}-{k}-{n}", params=params)
+            ch_rid = f"s{seed}{tag}-{k}-{n}"
+            agen = client.generate_ids(prompt, request_id=ch_rid, params=params)
             try:
                 async for ch in agen:
                     now = time.monotonic()
                     m = len(ch.token_ids)
+                    if m and a.trace:
+                        arrivals.append((ch_rid, m, now))
                     if m and now >= t_measure and now < t_end:
                         tokens += m
                         if last is not None:
@@ -85,7 +90,7 @@ async def run_phase(client, a, seed: int) -> dict:
         t0 = time.monotonic()
         first = None
         params = {"max_tokens": a.burst_tokens, "min_tokens": a.burst_tokens, "temperature": 0}
-        async for ch in client.generate_ids(prompt, request_id=f"b{seed}-{i}-{j}", params=params):
+        async for ch in client.generate_ids(prompt, request_id=f"b{seed}{tag}-{i}-{j}", params=params):
             now = time.monotonic()
             if ch.token_ids and first is None:
                 first = now - t0
@@ -105,8 +110,23 @@ async def run_phase(client, a, seed: int) -> dict:
 
     await asyncio.gather(bursts(), *(stream(k) for k in range(a.streams)))
     await client.close()
-    return {"itl_p50": pct(itl, 0.5), "itl_p99": pct(itl, 0.99), "ttft_p50": pct(ttft, 0.5),
+    if a.trace:
+        with open(os.path.join(a.trace, f"client-{seed}-{os.getpid()}-{t_start:.0f}.jsonl"), "w") as f:
+            f.write("".join(json.dumps({"rid": r, "n": m, "t": t}) + "\n" for r, m, t in arrivals))
+    return {"window": (t_measure, t_end), "itl_p50": pct(itl, 0.5), "itl_p99": pct(itl, 0.99), "ttft_p50": pct(ttft, 0.5),
             "ttft_p99": pct(ttft, 0.99), "tok_s": tokens / a.seconds, "n_itl": len(itl), "n_ttft": len(ttft)}
+
+
+DEFAULT_KNOBS = {"switch_interval": 0.005}       # Python's default; what a layout without +knobs gets
+KNOB_ALIASES = {"si": "switch_interval"}
+
+
+async def warm_up(client) -> None:
+    try:
+        async for _ in client.generate_ids(list(range(5, 69)), params={"max_tokens": 4, "temperature": 0}):
+            pass
+    finally:
+        await client.close()
 
 
 def tree_cpu(pids: list[int]) -> float:
@@ -124,6 +144,30 @@ def tree_cpu(pids: list[int]) -> float:
     return total
 
 
+def thread_cpu(pids: list[int]) -> str:
+    """CPU seconds so far of each named thread (comm) of the processes' trees, busiest first."""
+    from backend.serving.disagg_serve import tree_pids
+
+    tick, per = os.sysconf("SC_CLK_TCK"), {}
+    for p in tree_pids(pids):
+        try:
+            tids = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{p}/task/{tid}/comm") as f:
+                    name = f.read().strip()
+                with open(f"/proc/{p}/task/{tid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            key = f"{p}:{name}"
+            per[key] = per.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    top = sorted(per.items(), key=lambda kv: -kv[1])[:12]
+    return "thread CPU s (cumulative): " + ", ".join(f"{k}={v:.1f}" for k, v in top)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="bench-15m")
@@ -139,17 +183,32 @@ def main() -> None:
     ap.add_argument("--burst-every", type=float, default=4.0)
     ap.add_argument("--cpus", default="0:1", help="PREFILL:DECODE cores; unified gets both")
     ap.add_argument("--connector", default="shm", choices=["shm", "tcp"])
+    ap.add_argument("--trace", metavar="DIR", help="trace the decode engine's steps and the client's "
+                    "arrivals into DIR and split each disaggregated round's ITL (backend/disagg/trace.py)")
+    ap.add_argument("--client-gc", default="freeze", choices=["freeze", "default"],
+                    help="freeze (default): gc.freeze() this client's heap (torch, tritonclient...) once the "
+                         "servers are up, so that its own full collections (100-250 ms measured) do not "
+                         "show as ITL; default: Python's GC untouched")
     ap.add_argument("--layouts", default="unified,isolate,split,stubs",
                     help=f"comma-separated, from unified,{','.join(LAYOUTS)} (disagg_serve.apply_layout)")
     a = ap.parse_args()
     layouts = a.layouts.split(",")
     for lay in layouts:
+        lay, _, knobs = lay.partition("+")
+        if knobs and not a.trace:
+            ap.error(f"{lay}+{knobs}: knobs need --trace (the decode engine reads them from its trace dir)")
         if lay != "unified" and lay not in LAYOUTS:
             ap.error(f"unknown layout {lay!r}")
     from backend.serving.disagg_serve import parse_cpus
     from tests.conftest import model_dir
 
     cpus = parse_cpus(a.cpus)
+    if a.trace:
+        from backend.disagg.trace import ENV
+        os.makedirs(a.trace, exist_ok=True)
+        os.environ[ENV] = a.trace                    # the decode server inherits it
+        from backend.disagg.trace import StepTrace
+        StepTrace(a.trace, name="clientgc")          # this process's GC pauses
     path = model_dir(a.preset)
     opts = {"num_kv_blocks": "1024", "block_size": "16", "max_num_seqs": "32", "max_num_batched_tokens": "512",
             "kv_connector": a.connector}
@@ -159,7 +218,15 @@ def main() -> None:
         unified.start()
         pin_tree(unified.proc.pid, cpus[0] | cpus[1])
         pair.start()
+        # one request through each before measuring: first-call costs, and the decode engine names
+        # its threads at its first step (bench thread CPU by name)
+        asyncio.run(warm_up(TritonLLMClient(unified.grpc_url)))
+        asyncio.run(warm_up(DisaggLLMClient(pair.prefill.grpc_url, pair.decode.grpc_url)))
         results: dict[str, list[dict]] = {lay: [] for lay in layouts}
+        if a.client_gc == "freeze":
+            import gc
+            gc.collect()
+            gc.freeze()
         me = os.getpid()
         for r in range(a.rounds):
             for layout in layouts:
@@ -169,14 +236,29 @@ def main() -> None:
                     client = TritonLLMClient(unified.grpc_url)
                     procs = [unified.proc.pid]
                 else:
-                    pair.place(layout, others=(me,))
+                    base, _, knobs = layout.partition("+")
+                    if a.trace:                      # e.g. isolate+switch_interval=0.001
+                        kv = {KNOB_ALIASES.get(k, k): v for k, v in (x.split("=") for x in knobs.split(",") if x)}
+                        kv.setdefault("switch_interval", DEFAULT_KNOBS["switch_interval"])
+                        with open(os.path.join(a.trace, "control.json"), "w") as f:
+                            json.dump(kv, f)
+                    pair.place(base, others=(me,))
                     client = DisaggLLMClient(pair.prefill.grpc_url, pair.decode.grpc_url)
                     procs = [s.proc.pid for s in pair.servers]
-                cpu0 = tree_cpu(procs)
-                res = asyncio.run(run_phase(client, a, seed=r))
+                cpu0, me0 = tree_cpu(procs), os.times()
+                res = asyncio.run(run_phase(client, a, seed=r, tag=layout))
                 res["cpu_s"] = tree_cpu(procs) - cpu0
+                me1 = os.times()
+                res["client_cpu_s"] = me1.user + me1.system - me0.user - me0.system
+                window = res.pop("window")
                 results[layout].append(res)
                 print(f"round {r} {layout:8} " + " ".join(f"{k}={v:.4g}" for k, v in res.items()), flush=True)
+                if a.trace:
+                    print(thread_cpu(procs), flush=True)
+                if a.trace and layout != "unified":
+                    from backend.disagg.trace import format_report, report
+                    time.sleep(1.5)                  # the decode server's trace flushes every second
+                    print(format_report(report(a.trace, window, prefix=f"s{r}{layout}-")), flush=True)
     finally:
         unified.stop()
         pair.stop()
