@@ -9,6 +9,7 @@ Pull model, in three calls::
     data = conn.fetch(loc, first_block, count)     # decode side, once it has allocated blocks:
                                                    #   only blocks it does not already hold
                                                    #   (its prefix-cache hits are never moved)
+    conn.discard(data)                             # decode side, once written: free it (off the step)
     conn.release(loc)                              # either side: drop what is staged (idempotent)
 
 ``fetch`` consumes the staged data (a transfer is read once). It raises :class:`TransferError`
@@ -92,6 +93,10 @@ class KVConnector(ABC):
         self._count(fetched=1, fetched_bytes=data.numel() * data.element_size(), skipped_blocks=first_block,
                     fetch_seconds=time.perf_counter() - t0)
         return data
+
+    def discard(self, data: torch.Tensor) -> None:
+        """The caller is done with what ``fetch`` returned (written into its pool). The shm
+        connector's data views a mapping: it is unmapped off the caller's thread."""
 
     def expire(self, ttl: float) -> int:
         """Drop what this side staged more than ``ttl`` seconds ago and nobody fetched or

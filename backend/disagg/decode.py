@@ -148,6 +148,8 @@ class DecodeRole:
         self.stats.fetch_seconds += time.perf_counter() - t0
         table = kv.block_table(seq.seq_id)
         kv.storage.write_blocks(table[first:rec.num_blocks], data)
+        self.connector.discard(data)                  # shm: unmapped on its releaser thread
+        del data
         kv.commit(seq.seq_id, seq.token_ids, n)       # the prompt's full blocks join this prefix cache
         seq.num_computed_tokens = seq.high_water = n
         self.stats.fetched_blocks += rec.num_blocks - first
