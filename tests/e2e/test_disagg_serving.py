@@ -1,5 +1,6 @@
 """Prefill/decode disaggregation through the full stack (issue 21): two real tritonservers (engine
-role=prefill and role=decode, shared-memory KV connector), tritonclient gRPC through the ``llm``
+role=prefill and role=decode, shared-memory KV connector; the outputs test also over the TCP
+connector between the two server processes on 127.0.0.1), tritonclient gRPC through the ``llm``
 ensemble, routed by client/disagg_client.py, against the unified session server with the same
 engine options (tiny preset, fp32, greedy)."""
 from __future__ import annotations
@@ -25,6 +26,17 @@ WORDS = ("alpha beta gamma delta river stone cloud paper window garden silver or
 @pytest.fixture(scope="module")
 def pair(tiny_model):
     with DisaggServers(tiny_model, engine_options=E2E_ENGINE_OPTIONS, quiet=True) as servers:
+        yield servers
+
+
+@pytest.fixture(scope="module", params=["shm", "tcp"])
+def any_pair(request, tiny_model):
+    """The shm pair, then a pair whose KV goes over the TCP connector (the same test for both)."""
+    if request.param == "shm":
+        yield request.getfixturevalue("pair")
+        return
+    with DisaggServers(tiny_model, engine_options={**E2E_ENGINE_OPTIONS, "kv_connector": "tcp"},
+                       quiet=True) as servers:
         yield servers
 
 
@@ -75,7 +87,9 @@ async def _run_all(client, reqs, concurrency: int = 4) -> dict[str, dict]:
     return dict(await asyncio.gather(*(one(r) for r in reqs)))
 
 
-def test_outputs_identical_to_unified(triton_server, pair):
+def test_outputs_identical_to_unified(triton_server, any_pair):
+    pair = any_pair
+
     async def main():
         unified = TritonLLMClient(triton_server.grpc_url)
         disagg = DisaggLLMClient(pair.prefill.grpc_url, pair.decode.grpc_url)
