@@ -31,10 +31,12 @@ __all__ = ["DisaggLLMClient"]
 
 
 class DisaggLLMClient:
-    def __init__(self, prefill_url: str, decode_url: str, **kw: Any) -> None:
-        self.prefill = TritonLLMClient(prefill_url, **kw)
-        self.decode = TritonLLMClient(decode_url, **kw)
-        self.url = prefill_url
+    def __init__(self, prefill: str | Any, decode: str | Any, **kw: Any) -> None:
+        """Each side a gRPC URL (a TritonLLMClient is made with ``kw``) or a client object with
+        TritonLLMClient's interface (Ray Serve: backend/scale/serve_client.py ServeClient)."""
+        self.prefill = TritonLLMClient(prefill, **kw) if isinstance(prefill, str) else prefill
+        self.decode = TritonLLMClient(decode, **kw) if isinstance(decode, str) else decode
+        self.url = prefill if isinstance(prefill, str) else getattr(prefill, "url", "")
         self.handovers = 0          # streams continued on the decode server
         self.kept = 0               # streams the prefill server finished itself
         self._aborts: set[asyncio.Task] = set()

@@ -1,7 +1,14 @@
 """``ScaleConfig`` and ``build_app``: the Ray Serve application for ``triton-llm serve --replicas``.
 
     ShimIngress (HTTP, OpenAI API) ──handle──► TritonReplica × N   (primary model, PrefixAwareRouter)
-                                   └─handle──► TritonReplica × M   (fallback model, optional)
+                                   ├─handle──► TritonReplica × M   (fallback model, optional)
+                                   └─handle──► PrefillReplica × P  (prefill/decode disaggregation, optional)
+
+With ``prefill_replicas`` > 0 the primary pool runs ``role=decode`` and P replicas of the same
+checkpoint run ``role=prefill``: the ingress sends a new request to a prefill replica and its
+continuation, with the hand-over record, to a decode replica (client/disagg_client.py over two
+ServeClients), which fetches the prompt's KV from the prefill replica over the TCP connector
+(the two pools may sit on different nodes). Both pools route by prefix.
 
 Replica counts: fixed ``replicas``, or autoscaling between ``min_replicas`` and ``max_replicas``
 on Ray Serve's ongoing-requests target with upscale/downscale delays. Scale-in and shutdown drain
@@ -52,6 +59,7 @@ class ScaleConfig:
     fallback_max_ongoing: float = 8.0          # primary ongoing requests per replica that saturate it
     fallback_queue_s: float = 2.0              # primary engine queue time (recent max) that saturates it
     fallback_model_name: str | None = None     # the name responses carry; default "<served>-fallback"
+    prefill_replicas: int = 0                  # > 0: disaggregate; the primary pool decodes
     shim: dict = field(default_factory=dict)   # ShimSettings fields (api_keys_file, model_name, ...)
 
     @property
@@ -77,13 +85,29 @@ def _replica_options(cfg: ScaleConfig, name: str, replicas: int, autoscale: bool
     return opts
 
 
+def role_options(engine_options: dict, role: str) -> dict:
+    """A pool's engine options under disaggregation: its role, KV over TCP between replicas
+    (the prefill side's address is its node's: replica.py)."""
+    return {**engine_options, "role": role, "kv_connector": "tcp"}
+
+
 def build_app(cfg: ScaleConfig):
-    primary_opts = _replica_options(cfg, "TritonReplica", cfg.replicas, cfg.autoscale)
-    if cfg.prefix_routing:
-        primary_opts["request_router_config"] = RequestRouterConfig(
-            request_router_class=ROUTER_CLASS, request_router_kwargs={"imbalance": cfg.imbalance, "min_blocks": cfg.affinity_min_blocks})
+    def routed(opts: dict) -> dict:
+        if cfg.prefix_routing:
+            opts["request_router_config"] = RequestRouterConfig(
+                request_router_class=ROUTER_CLASS,
+                request_router_kwargs={"imbalance": cfg.imbalance, "min_blocks": cfg.affinity_min_blocks})
+        return opts
+
+    disagg = cfg.prefill_replicas > 0
+    primary_opts = routed(_replica_options(cfg, "TritonReplica", cfg.replicas, cfg.autoscale))
     primary = serve.deployment(TritonReplica).options(**primary_opts).bind(
-        cfg.model_dir, cfg.engine_options, "primary")
+        cfg.model_dir, role_options(cfg.engine_options, "decode") if disagg else cfg.engine_options, "primary")
+    prefill = None
+    if disagg:
+        pf_opts = routed(_replica_options(cfg, "PrefillReplica", cfg.prefill_replicas, False))
+        prefill = serve.deployment(TritonReplica).options(**pf_opts).bind(
+            cfg.model_dir, role_options(cfg.engine_options, "prefill"), "prefill")
     fallback = None
     if cfg.fallback_model_dir:
         fb_opts = _replica_options(cfg, "FallbackReplica", cfg.fallback_replicas, False)
@@ -94,7 +118,7 @@ def build_app(cfg: ScaleConfig):
         primary, fallback, model_dir=cfg.model_dir, block_size=cfg.block_size,
         prefix_routing=cfg.prefix_routing, shim=cfg.shim, fallback_tenants=cfg.fallback_tenants,
         fallback_max_ongoing=cfg.fallback_max_ongoing, fallback_queue_s=cfg.fallback_queue_s,
-        fallback_model_name=cfg.fallback_model_name)
+        fallback_model_name=cfg.fallback_model_name, prefill=prefill)
 
 
 def app_builder(args: dict):

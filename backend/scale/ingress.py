@@ -9,7 +9,9 @@ and, through ServeClient, the replica's gRPC stream (explicit abort in the engin
 ``GET /scale/stats`` (API key required when keys are configured) reports the routers' decisions by
 policy, fallbacks and per-replica load as this ingress sees them. Around the shim app, served.py's
 ``ServedModel`` reads the per-request fallback opt-in header and names the serving model in the
-response (``model`` field, ``x-served-model`` header).
+response (``model`` field, ``x-served-model`` header). With a prefill pool (app.py
+``prefill_replicas``) the shim's client is a DisaggLLMClient over two ServeClients, prefill and
+primary (decode).
 """
 from __future__ import annotations
 
@@ -23,8 +25,9 @@ class ShimIngress:
     def __init__(self, primary, fallback=None, *, model_dir: str, block_size: int = 16,
                  prefix_routing: bool = True, shim: dict | None = None,
                  fallback_tenants: list[str] | None = None, fallback_max_ongoing: float = 8.0,
-                 fallback_queue_s: float = 2.0, fallback_model_name: str | None = None) -> None:
-        self.primary, self.fallback = primary, fallback
+                 fallback_queue_s: float = 2.0, fallback_model_name: str | None = None,
+                 prefill=None) -> None:
+        self.primary, self.fallback, self.prefill = primary, fallback, prefill
         self.model_dir, self.block_size, self.prefix_routing = model_dir, block_size, prefix_routing
         self.shim = dict(shim or {})
         self.fallback_tenants = set(fallback_tenants or [])
@@ -43,8 +46,13 @@ class ShimIngress:
         client = ServeClient(self.primary, keyer=keyer, fallback=self.fallback,
                              fallback_policy=FallbackPolicy(self.fallback_max_ongoing, self.fallback_queue_s),
                              fallback_tenants=self.fallback_tenants)
+        front = client
+        if self.prefill is not None:             # disaggregated: prefill pool first, then primary (decode)
+            from client.disagg_client import DisaggLLMClient
+
+            front = DisaggLLMClient(ServeClient(self.prefill, keyer=keyer), client)
         settings = ShimSettings(model_dir=self.model_dir, **self.shim)
-        app = create_app(settings, client=client)
+        app = create_app(settings, client=front)
         fallback_name = None
         if self.fallback is not None:
             fallback_name = self.fallback_model_name or f"{settings.served_model}-fallback"
@@ -59,7 +67,9 @@ class ShimIngress:
             return {"routers": routers, "fallbacks": client.metrics.snapshot()["fallbacks"],
                     "served": dict(client.served), "retries": dict(client.retries), "ongoing_primary": client.ongoing,
                     "primary_queue_time_s": round(client.queue_time.current(), 3),
-                    "running_primaries": client._healthy}
+                    "running_primaries": client._healthy,
+                    "disagg": None if front is client else {"handovers": front.handovers, "kept": front.kept,
+                                                            "served_prefill": dict(front.prefill.served)}}
 
         return app
 

@@ -37,7 +37,11 @@ class TritonReplica:
         self.replica = _replica_id()
         # The workdir names the replica, so an operator (and the e2e test) can tell whose server is whose.
         self.workdir = tempfile.mkdtemp(prefix=f"tllm-replica-{self.replica}-")
-        self.server = TritonServer(model_dir, engine_options=engine_options or {}, quiet=True,
+        engine_options = dict(engine_options or {})
+        if engine_options.get("role") == "prefill" and engine_options.get("kv_connector") == "tcp":
+            # decode replicas on other nodes fetch the staged KV from this address
+            engine_options.setdefault("kv_connector_host", _node_ip())
+        self.server = TritonServer(model_dir, engine_options=engine_options, quiet=True,
                                    startup_timeout=startup_timeout, exit_timeout=5, workdir=self.workdir)
         self.server.start()
         self._client = None
@@ -97,6 +101,14 @@ class TritonReplica:
         if server is not None:
             server.stop(grace=10)
             shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+        return ray.util.get_node_ip_address()
+    except Exception:                               # noqa: BLE001 -- outside Ray (tests)
+        return "127.0.0.1"
 
 
 def _replica_id() -> str:

@@ -29,7 +29,8 @@ def config_from_args(args: argparse.Namespace):
         downscale_delay_s=args.downscale_delay,
         replica_cpus=args.replica_cpus, fallback_model_dir=args.fallback_model,
         fallback_tenants=list(args.fallback_tenant or []), fallback_max_ongoing=args.fallback_max_ongoing,
-        fallback_queue_s=args.fallback_queue_s, fallback_model_name=args.fallback_name, shim=shim)
+        fallback_queue_s=args.fallback_queue_s, fallback_model_name=args.fallback_name,
+        prefill_replicas=args.prefill_replicas or 0, shim=shim)
 
 
 def serve_replicas(args: argparse.Namespace) -> int:
@@ -73,6 +74,9 @@ def add_arguments(sv: argparse.ArgumentParser) -> None:
     g.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs per replica")
     g.add_argument("--default-router", action="store_true",
                    help="Ray's power-of-two-choices router instead of the prefix-aware one")
+    g.add_argument("--prefill-replicas", type=int, default=None,
+                   help="prefill/decode disaggregation: this many role=prefill replicas; the --replicas "
+                        "pool decodes (KV over TCP between them, docs/disaggregation.md)")
     g.add_argument("--fallback-model", default=None, help="lighter checkpoint served under overload/failure")
     g.add_argument("--fallback-tenant", action="append", default=None, metavar="TENANT",
                    help="tenant whose requests may degrade to the fallback model ('*' = all), repeatable; "

@@ -186,5 +186,14 @@ class ServeClient:
         except Exception as exc:                     # noqa: BLE001
             raise UnavailableError(f"no replica reported its context window: {exc}") from None
 
+    async def abort(self, request_id: str, timeout: float = 10.0, *, tenant: str | None = None) -> bool:
+        """No explicit abort across Ray: a stream is stopped by cancelling its Ray call (the
+        replica's gRPC client then aborts in its engine). A prefill replica's KV staged for a
+        request whose decode hop ended early is released by its TTL (``kv_staged_ttl_s``)."""
+        return False
+
+    async def wait_aborts(self, timeout: float = 10.0) -> None:
+        return None
+
     async def close(self) -> None:
         return None

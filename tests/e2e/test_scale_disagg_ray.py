@@ -1,0 +1,185 @@
+"""Prefill/decode disaggregation on Ray Serve: the two roles as two kinds of replica.
+
+One PrefillReplica (role=prefill) and one TritonReplica (role=decode) of the tiny model behind the
+shim ingress (backend/scale/app.py ``prefill_replicas``), KV over the TCP connector between the
+two replicas' tritonservers. Shows (a) greedy outputs through the OpenAI API equal those of the
+unified engine (the session's own tritonserver), streamed and not, with the requests handed over
+(the decode replica's own hand-over counters, the ingress's stats), and (b) a client hanging up
+mid-stream after the hand-over aborts the request in the decode replica's engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import pathlib
+import re
+import shutil
+import tempfile
+import time
+import urllib.request
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+ray = pytest.importorskip("ray")
+
+from backend.serving.process_group import free_port  # noqa: E402
+from tests.conftest import E2E_ENGINE_OPTIONS, model_dir  # noqa: E402
+
+APP = "tllm-pd"
+
+
+@pytest.fixture(scope="module")
+def disagg_app():
+    from ray import serve
+
+    from backend.scale.app import ScaleConfig, build_app
+
+    port = free_port()
+    started = time.time() - 1
+    root = str(pathlib.Path(__file__).resolve().parents[2])
+    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR",
+             runtime_env={"env_vars": {"PYTHONPATH": root}})
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        cfg = ScaleConfig(model_dir=str(model_dir("tiny")), engine_options=dict(E2E_ENGINE_OPTIONS),
+                          replicas=1, prefill_replicas=1, replica_cpus=0.5, ingress_cpus=0.25,
+                          health_check_period_s=1.0, graceful_shutdown_s=5.0, shim={"model_name": "tiny"})
+        serve.run(build_app(cfg), name=APP, route_prefix="/", blocking=False)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            st = serve.status().applications.get(APP)
+            if st is not None and st.status == "RUNNING":
+                break
+            time.sleep(1)
+        else:
+            pytest.fail(f"the Ray Serve app did not start: {serve.status()}")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            for d in pathlib.Path(tempfile.gettempdir()).glob("tllm-replica-*"):
+                if d.stat().st_mtime >= started:
+                    shutil.rmtree(d, ignore_errors=True)
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return r.read().decode()
+
+
+def _post(base: str, body: dict) -> dict:
+    req = urllib.request.Request(f"{base}/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+def _sse_text(base: str, body: dict) -> str:
+    host, port = base.rsplit("/", 1)[1].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", "/v1/chat/completions", json.dumps({**body, "stream": True}),
+                 {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    text = []
+    for line in resp.read().decode().splitlines():
+        if line.startswith("data: {"):
+            ev = json.loads(line[6:])
+            assert "error" not in ev, ev
+            text += [c["delta"].get("content") or "" for c in ev["choices"]]
+    conn.close()
+    return "".join(text)
+
+
+def _role_metric(role: str, name: str, **labels) -> float:
+    """Sum of ``name`` over the live tritonservers of ``role`` (their engine options say it)."""
+    import os
+
+    total = 0.0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if not cmd or not cmd[0].endswith("tritonserver"):
+            continue
+        repo = next((c.split("=", 1)[1] for c in cmd if c.startswith("--model-repository=")), "")
+        if "tllm-replica-" not in repo:
+            continue
+        config = pathlib.Path(repo, "engine", "config.pbtxt")
+        if not config.exists() or not re.search(r'key:\s*"role",?\s*value:\s*\{\s*string_value:\s*"'
+                                                 + role + '"', config.read_text()):
+            continue
+        port = next(int(c.split("=")[1]) for c in cmd if c.startswith("--metrics-port="))
+        for line in _get(f"http://127.0.0.1:{port}/metrics").splitlines():
+            if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+PROMPTS = [f"Tell me about the item number {i} in a few words." for i in range(6)]
+
+
+def test_outputs_equal_the_unified_engine_and_are_handed_over(disagg_app, triton_server):
+    from client.triton_client import TritonLLMClient
+
+    async def unified_texts():
+        client = TritonLLMClient(triton_server.grpc_url)
+        try:
+            out = []
+            for p in PROMPTS:
+                chunks = [c async for c in client.generate(messages=[{"role": "user", "content": p}],
+                                                           params={"max_tokens": 12, "temperature": 0})]
+                out.append("".join(c.text for c in chunks))
+            return out
+        finally:
+            await client.close()
+
+    want = asyncio.run(unified_texts())
+    admitted_before = _role_metric("decode", "llm_disagg_handovers_total", outcome="admitted")
+    got = []
+    for i, p in enumerate(PROMPTS):
+        body = {"model": "tiny", "messages": [{"role": "user", "content": p}], "max_tokens": 12, "temperature": 0}
+        if i % 2:
+            got.append(_sse_text(disagg_app, body))
+        else:
+            out = _post(disagg_app, body)
+            assert out["choices"][0]["finish_reason"] == "length"
+            got.append(out["choices"][0]["message"]["content"])
+    assert got == want
+    stats = json.loads(_get(f"{disagg_app}/scale/stats"))
+    assert stats["disagg"]["handovers"] >= len(PROMPTS), stats
+    deadline = time.monotonic() + 10                 # the role counters reach Prometheus in batches
+    while time.monotonic() < deadline:
+        admitted = _role_metric("decode", "llm_disagg_handovers_total", outcome="admitted") - admitted_before
+        if admitted >= len(PROMPTS):
+            break
+        time.sleep(0.3)
+    assert admitted >= len(PROMPTS)
+    assert _role_metric("decode", "llm_disagg_transfer_bytes_total") > 0      # KV crossed over TCP
+
+
+def test_hanging_up_after_the_hand_over_aborts_in_the_decode_engine(disagg_app):
+    before = _role_metric("decode", "llm_requests_aborted_total")
+    host, port = disagg_app.rsplit("/", 1)[1].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Stream a long answer."}],
+            "max_tokens": 900, "ignore_eos": True, "temperature": 0, "stream": True}
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    events = 0
+    while events < 8:                                # tokens after the first come from the decode side
+        line = resp.fp.readline()
+        assert line, "the stream ended early"
+        events += line.startswith(b"data: {")
+    conn.close()
+    deadline, gained = time.monotonic() + 20, 0.0
+    while time.monotonic() < deadline and gained < 1:
+        time.sleep(0.5)
+        gained = _role_metric("decode", "llm_requests_aborted_total") - before
+    assert gained >= 1, "the decode replica's engine never saw the abort"
