@@ -10,9 +10,10 @@ Cache: ``build/kernels/paged_cpu-<hash>.so`` where the hash covers the source, t
 and this CPU's flags (``-march=native`` code must not run on another CPU), or
 ``$TRITON_LLM_KERNEL_CACHE``. ``TRITON_LLM_CPU_KERNELS=0`` turns the kernels off.
 
-:func:`decode_library` is the second library: ``csrc/decode_cpu.c`` (a whole fp32 decode step in
-one call, used by backend/model/fused_decode.py) linked with ``paged_cpu.c``, built with OpenMP
-(torch's own ``libgomp`` serves it at run time) or, if that fails, without.
+:func:`decode_library` is the second library: ``csrc/decode_cpu.c`` (a whole model step, decodes
+and short prefill chunks, in one call; used by backend/model/fused_decode.py) linked with
+``paged_cpu.c``, built with OpenMP (torch's own ``libgomp`` serves it at run time) or, if that
+fails, without.
 """
 from __future__ import annotations
 
@@ -144,7 +145,7 @@ def attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bl
 
 @functools.lru_cache(maxsize=1)
 def decode_library():
-    """The fused decode step (``decode_forward``), or None (disabled, no compiler, build failed)."""
+    """The fused model step (``step_forward``: decodes and prefill chunks), or None (disabled, no compiler, build failed)."""
     if _disabled():
         return None
     for flags in DECODE_FLAGS:
@@ -156,8 +157,8 @@ def decode_library():
         except OSError as exc:
             log.warning("fused CPU decode library did not load with %s: %s", flags, exc)
             continue
-        lib.decode_forward.argtypes = [_P, _I, _P, _P, _P, _P, _I, _P, _I, _P, _P, _P, ctypes.c_int]
-        lib.decode_forward.restype = ctypes.c_int
+        lib.step_forward.argtypes = [_P, _I, _I, _P, _P, _P, _P, _P, _P, _I, _I, _P, _P, _P, ctypes.c_int]
+        lib.step_forward.restype = ctypes.c_int
         lib.decode_scratch_floats.argtypes = [_P, _I]
         lib.decode_scratch_floats.restype = _I
         return lib

@@ -1,19 +1,24 @@
-"""The fused CPU decode step: a whole all-decode batch through the model in one C call.
+"""The fused CPU model step: a whole step through the model in one C call -- all-decode batches and,
+since issue 15's third round, varlen batches with prefill chunks (mixed prefill + decode steps,
+a prompt's first step, the partial last block after a prefix-cache hit).
 
-Why: at one or a few sequences a decode step of a small model is mostly Python and op dispatch
-(~12 torch calls per layer, each a few microseconds plus its allocation), and MKL's GEMV at M = 1
-reads weights slower than this machine's memory allows. ``kernels/csrc/decode_cpu.c`` runs
-embedding, every layer (RMSNorm, qkv, RoPE, KV store, paged attention through the block tables,
-o-proj + residual, RMSNorm, gate/up, SiLU * up, down + residual), the final norm and the lm_head
-for the logits rows, with no Python in between and no per-step allocation but the logits.
+Why: at one or a few sequences a step of a small model is mostly Python and op dispatch (~12 torch
+calls per layer, each a few microseconds plus its allocation), and MKL's GEMV at M = 1 reads weights
+slower than this machine's memory allows. ``kernels/csrc/decode_cpu.c`` (``step_forward``) runs
+embedding, every layer (RMSNorm, qkv, RoPE, KV store, causal paged attention through the block
+tables, o-proj + residual, RMSNorm, gate/up, SiLU * up, down + residual), the final norm and the
+lm_head for the logits rows only, with no Python in between and no per-step allocation but the logits.
+Measured faster than the torch path for every step shape tried, up to 2048-token prompts
+(docs/kernels.md, tools/ab_fused_step.py), so the token budget is only a cap.
 
 When it is used (:func:`make_fused_decoder` returns None otherwise and the torch path runs):
 CPU, fp32 weights and KV cache, projections that are plain :class:`~backend.model.llama.Linear`
 or int8/int4 :class:`~backend.quant.linear.QuantLinear` (incl. a quantized lm_head, ``lm_head_q``;
 those call the quant library's ``w8_gemm``/``w4_gemm`` through their addresses, so they compute what
 QuantLinear computes), the torch attention backend, the C library built (``kernels.cpu.decode_library``),
-and ``TRITON_LLM_FUSED_DECODE`` not ``0``. Per step, :meth:`FusedDecoder.accepts` takes a batch in
-which every sequence has exactly one new token; prefill and mixed steps keep the torch path.
+and ``TRITON_LLM_FUSED_DECODE`` not ``0`` (that switches all of it off). Per step,
+:meth:`FusedDecoder.accepts` takes every all-decode batch and a batch with prefill chunks of at most
+``TRITON_LLM_FUSED_MAX_TOKENS`` new tokens (default :data:`MAX_TOKENS`; 0 = all-decode steps only).
 
 Numerics: the same fp32 operations as the torch path in another summation order (logits agree to
 ~1e-5 relative, pinned by tests/unit/test_model_fused_decode.py; greedy tokens by the parity tests).
@@ -32,6 +37,8 @@ import torch
 from backend.model.llama import Linear, LlamaForCausalLM
 
 log = logging.getLogger("triton_llm.model")
+MAX_TOKENS = 8192  # steps with a prefill chunk: fused up to this many new tokens (faster up to 2048 measured, docs/kernels.md)
+KEEP_ROWS = 256    # the decoder keeps its scratch for steps up to this many tokens; larger ones get their own
 GEMM_MIN_M = 64    # measured on a Zen 3 core: the C tiles beat MKL up to at least M = 32 (docs/kernels.md)
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _LAYER_FIELDS = ("ln1", "qkv_w", "qkv_b", "o_w", "o_b", "ln2", "gu_w", "gu_b", "down_w", "down_b",
@@ -87,6 +94,12 @@ def _quant_gemms() -> tuple[int, int] | None:
 
 def enabled() -> bool:
     return os.environ.get("TRITON_LLM_FUSED_DECODE", "1").lower() not in ("0", "false", "off", "no")
+
+
+def max_tokens() -> int:
+    """Steps with prefill chunks take the fused step up to this many new tokens
+    (``TRITON_LLM_FUSED_MAX_TOKENS``; 0: all-decode steps only)."""
+    return int(os.environ.get("TRITON_LLM_FUSED_MAX_TOKENS", MAX_TOKENS))
 
 
 def _mkl_sgemm() -> int | None:
@@ -155,34 +168,45 @@ class FusedDecoder:
         self._tensors = per_layer        # the pointers above stay valid while these live
         self._vocab = cfg.vocab_size
         self._scratch = torch.empty(0)
+        self.max_tokens = max_tokens()
 
-    @staticmethod
-    def accepts(num_tokens: int, num_seqs: int) -> bool:
-        """Every sequence brings exactly one token (each chunk has at least one)."""
-        return num_tokens == num_seqs
+    def accepts(self, num_tokens: int, num_seqs: int) -> bool:
+        """Every all-decode step (each sequence brings one token); a step with prefill chunks
+        (mixed or prefill-only) when its new tokens are at most :attr:`max_tokens`."""
+        return num_tokens == num_seqs or num_tokens <= self.max_tokens
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                block_tables: torch.Tensor, seq_lens: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
-        """All CPU tensors as in BatchInput (row i = sequence i) -> fp32 logits [num_logits, vocab]."""
-        m = input_ids.shape[0]
+                block_tables: torch.Tensor, seq_lens: torch.Tensor, logits_indices: torch.Tensor,
+                cu_seqlens_q: torch.Tensor | None = None) -> torch.Tensor:
+        """All CPU tensors as in BatchInput -> fp32 logits [num_logits, vocab]. ``cu_seqlens_q``
+        None: one token per sequence (row i = sequence i)."""
+        m, nseqs = input_ids.shape[0], seq_lens.shape[0]
+        if cu_seqlens_q is None:
+            if m != nseqs:
+                raise ValueError("fused step: cu_seqlens_q is needed when a sequence brings several tokens")
+            cu_seqlens_q = torch.arange(m + 1, dtype=torch.int32)
         ids = input_ids.to(torch.int64).contiguous()
         pos = positions.to(torch.int64).contiguous()
         slots = slot_mapping.to(torch.int64).contiguous()
         tables = block_tables.to(torch.int32).contiguous()
+        cu = cu_seqlens_q.to(torch.int32).contiguous()
         ctx = seq_lens.to(torch.int32).contiguous()
         rows = logits_indices.to(torch.int64).contiguous()
         need = self._lib.decode_scratch_floats(ctypes.byref(self._struct), m)
-        if self._scratch.numel() < need:
-            self._scratch = torch.empty(need, dtype=torch.float32)
+        scratch = self._scratch
+        if scratch.numel() < need:
+            scratch = torch.empty(need, dtype=torch.float32)
+            if m <= KEEP_ROWS:          # a long prompt's scratch (~32 KB per token on SmolLM2) is not kept
+                self._scratch = scratch
         logits = torch.empty(rows.shape[0], self._vocab, dtype=torch.float32)
-        rc = self._lib.decode_forward(ctypes.byref(self._struct), m, ids.data_ptr(), pos.data_ptr(),
-                                      slots.data_ptr(), tables.data_ptr(), tables.shape[1], ctx.data_ptr(),
-                                      rows.shape[0], rows.data_ptr(), self._scratch.data_ptr(),
-                                      logits.data_ptr(), torch.get_num_threads())
+        rc = self._lib.step_forward(ctypes.byref(self._struct), m, nseqs, ids.data_ptr(), pos.data_ptr(),
+                                    slots.data_ptr(), cu.data_ptr(), ctx.data_ptr(), tables.data_ptr(),
+                                    tables.shape[1], rows.shape[0], rows.data_ptr(), scratch.data_ptr(),
+                                    logits.data_ptr(), torch.get_num_threads())
         if rc == -2:
-            raise ValueError("fused decode: a token id, position or logits row is out of range")
+            raise ValueError("fused step: a token id, position, logits row or sequence layout is out of range")
         if rc != 0:
-            raise MemoryError("fused decode: scratch allocation failed")
+            raise MemoryError("fused step: scratch allocation failed")
         return logits
 
 

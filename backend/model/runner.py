@@ -89,7 +89,7 @@ class ModelRunner:
         if self.fused is not None and self.fused.accepts(batch.input_ids.shape[0], batch.seq_lens.shape[0]):
             # One C call, no autograd-visible torch op: no inference_mode context (~15 us) needed.
             return self.fused.forward(batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables,
-                                      batch.seq_lens, batch.logits_indices)
+                                      batch.seq_lens, batch.logits_indices, batch.cu_seqlens_q)
         return self._execute_torch(batch)
 
     @torch.inference_mode()

@@ -1,14 +1,16 @@
-/* One whole decode step of a Llama-family model in one C call (fp32 weights, CPU).
+/* One whole model step of a Llama-family model in one C call (fp32 or int8/int4 weights, CPU).
  *
  * Built by kernels/cpu.py together with paged_cpu.c (whose attend_f32 it calls), loaded through
- * ctypes by backend/model/fused_decode.py. Every one of the M rows is a sequence decoding one
- * token (row i = sequence i, block table row i). Per layer, with Q = Hq*D, KV = Hkv*D:
+ * ctypes by backend/model/fused_decode.py. The M rows are the step's new tokens, sequences back to
+ * back (varlen: a decode brings 1 row, a prefill chunk q_len rows; step_forward below). Per layer,
+ * with Q = Hq*D, KV = Hkv*D:
  *
  *   xn  = rmsnorm(h) * ln1                          [M, H]
  *   qkv = xn Wqkv^T (+ b)                           [M, Q + 2 KV]   rows: [ q | k | v ]
  *   q, k rotated (rotate-half RoPE, cos/sin of each row's position); q -> qbuf [M, Q],
  *   k, v -> the layer's KV cache at slots[i]        cache [blocks, block_size, Hkv, D]
- *   att = paged attention of qbuf over ctx[i] tokens through the block table   [M, Q]
+ *   att = causal paged attention of qbuf row i over its sequence's first pos[i] + 1 tokens, read
+ *         through the sequence's block table row   [M, Q]
  *   h  += att Wo^T (+ b)
  *   xn  = rmsnorm(h) * ln2
  *   gu  = xn Wgu^T (+ b)                            [M, 2I]         rows: [ gate | up ]
@@ -33,6 +35,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 typedef float v8 __attribute__((vector_size(32)));
 
@@ -213,38 +218,98 @@ static void rope(const float *x, const float *c, const float *s, int64_t half, f
     }
 }
 
-/* Bytes of float scratch decode_forward needs for M rows (the caller allocates it). */
+/* Bytes of float scratch step_forward needs for M rows (the caller allocates it). */
 int64_t decode_scratch_floats(const Model *m, int64_t M) {
     const int64_t q = m->num_heads * m->head_dim, kv = m->num_kv_heads * m->head_dim;
     return M * (2 * m->hidden + (q + 2 * kv) + 2 * q + 3 * m->inter);
 }
 
-/* Returns 0, -1 (attention scratch allocation failed), -2 (a position or token id out of range). */
-int decode_forward(const Model *m, int64_t M, const int64_t *ids, const int64_t *pos,
-                   const int64_t *slots, const int32_t *tables, int64_t table_stride,
-                   const int32_t *ctx, int64_t nlogits, const int64_t *logit_rows, float *scratch,
-                   float *logits, int nt) {
+/* Rows per thread below which the per-row loops (norms, RoPE, SiLU) stay serial. */
+#define PAR_MIN_ELEMS (1 << 16)
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* exp of 8 floats (Cephes expf: n = round(x log2 e), r = x - n ln 2 in two parts, degree-6
+ * polynomial, times 2^n): within ~2 ulp of expf over the clamped range. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654475f)), _mm256_set1_ps(88.37626266f));
+    __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
+
+/* a[j] = silu(g[j]) * u[j] = g / (1 + exp(-g)) * u, as torch's F.silu(gate) * up (one rounding
+ * order; exp from exp8 where AVX2 is there, ~2 ulp). */
+static void silu_mul(const float *g, const float *u, int64_t n, float *a) {
+    int64_t j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 one = _mm256_set1_ps(1.f);
+    for (; j + 8 <= n; j += 8) {
+        __m256 gv = _mm256_loadu_ps(g + j);
+        __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+        __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, e));
+        _mm256_storeu_ps(a + j, _mm256_mul_ps(s, _mm256_loadu_ps(u + j)));
+    }
+#endif
+    for (; j < n; j++) a[j] = g[j] / (1.f + expf(-g[j])) * u[j];
+}
+
+/* One model step over a varlen batch (fused prefill chunks + decodes, issue 15).
+ *
+ * nseqs sequences back to back: sequence s owns rows [cu[s], cu[s+1]) (q_len >= 1 new tokens; a
+ * decode has 1) and has seq_lens[s] tokens of context including them, whose block-table row is
+ * tables[s]. Row r = cu[s] + i sits at position seq_lens[s] - q_len + i and attends causally to the
+ * first seq_lens[s] - q_len + i + 1 tokens of its sequence (kernels/reference.py's contract); all
+ * rows' K/V are stored before any attention, so a chunk sees its own earlier tokens. logits[j] is
+ * the row logit_rows[j] (the sampler's rows; none for a chunk that does not sample yet).
+ *
+ * Returns 0, -1 (attention scratch allocation failed), -2 (a position, token id, logits row or
+ * the cu / seq_lens layout out of range). */
+int step_forward(const Model *m, int64_t M, int64_t nseqs, const int64_t *ids, const int64_t *pos,
+                 const int64_t *slots, const int32_t *cu, const int32_t *seq_lens, const int32_t *tables,
+                 int64_t table_stride, int64_t nlogits, const int64_t *logit_rows, float *scratch,
+                 float *logits, int nt) {
     const int64_t H = m->hidden, D = m->head_dim, hq = m->num_heads, hkv = m->num_kv_heads;
     const int64_t q = hq * D, kv = hkv * D, I = m->inter, half = D / 2, qkvn = q + 2 * kv;
     for (int64_t i = 0; i < M; i++)
         if (pos[i] < 0 || pos[i] >= m->max_pos || ids[i] < 0 || ids[i] >= m->vocab) return -2;
     for (int64_t j = 0; j < nlogits; j++)
         if (logit_rows[j] < 0 || logit_rows[j] >= M) return -2;
+    if (nseqs < 1 || cu[0] != 0 || cu[nseqs] != M) return -2;
+    for (int64_t s = 0; s < nseqs; s++)
+        if (cu[s + 1] <= cu[s] || seq_lens[s] < cu[s + 1] - cu[s]) return -2;
     float *h = scratch, *xn = h + M * H, *qkv = xn + M * H, *qb = qkv + M * qkvn, *att = qb + M * q;
     float *gu = att + M * q, *act = gu + 2 * M * I;
     int64_t *rows = malloc(sizeof(int64_t) * (size_t)M);
-    int32_t *seq = malloc(sizeof(int32_t) * (size_t)M);
-    if (!rows || !seq) { free(rows); free(seq); return -1; }
-    for (int64_t i = 0; i < M; i++) { rows[i] = i; seq[i] = (int32_t)i; }
+    int32_t *seq = malloc(sizeof(int32_t) * (size_t)M), *ctx = malloc(sizeof(int32_t) * (size_t)M);
+    if (!rows || !seq || !ctx) { free(rows); free(seq); free(ctx); return -1; }
+    int64_t att_macs = 0;          /* per layer: q.k and p.v over every row's context */
+    for (int64_t s = 0; s < nseqs; s++) {
+        const int64_t first = seq_lens[s] - (cu[s + 1] - cu[s]) - cu[s] + 1;   /* ctx of row r: first + r */
+        for (int64_t r = cu[s]; r < cu[s + 1]; r++) {
+            rows[r] = r; seq[r] = (int32_t)s; ctx[r] = (int32_t)(first + r);
+            att_macs += 2 * (int64_t)ctx[r] * q;
+        }
+    }
     for (int64_t i = 0; i < M; i++) memcpy(h + i * H, m->embed + ids[i] * H, sizeof(float) * (size_t)H);
-    int64_t att_macs = 0;          /* per layer: q.k and p.v over every context */
-    for (int64_t i = 0; i < M; i++) att_macs += 2 * (int64_t)ctx[i] * q;
     const int par_att = nt > 1 && M > 1 && att_macs >= PAR_MIN_MACS;
+    const int par_rows = nt > 1 && M > 1 && M * (H + I) >= PAR_MIN_ELEMS;
     int rc = 0;
 #define QP(l, p) (m->qw ? m->qw + (l) * P_COUNT + (p) : NULL)
     for (int64_t l = 0; l < m->num_layers && rc == 0; l++) {
+#pragma omp parallel for schedule(static) num_threads(nt) if (par_rows)
         for (int64_t i = 0; i < M; i++) rmsnorm(h + i * H, m->ln1[l], H, m->eps, xn + i * H);
         linear_q(m, QP(l, P_QKV), xn, M, H, m->qkv_w[l], m->qkv_b[l], qkvn, qkv, 0, NULL, nt);
+#pragma omp parallel for schedule(static) num_threads(nt) if (par_rows)
         for (int64_t i = 0; i < M; i++) {
             const float *c = m->cos + pos[i] * half, *s = m->sin + pos[i] * half, *r = qkv + i * qkvn;
             for (int64_t hd = 0; hd < hq; hd++) rope(r + hd * D, c, s, half, qb + i * q + hd * D);
@@ -258,20 +323,20 @@ int decode_forward(const Model *m, int64_t M, const int64_t *ids, const int64_t 
             rc |= attend_f32(qb, m->k_cache[l], m->v_cache[l], tables, table_stride, rows + i,
                              seq + i, ctx + i, 1, hq, hkv, D, m->block_size, m->scale, att);
         linear_q(m, QP(l, P_O), att, M, q, m->o_w[l], m->o_b[l], H, h, 1, xn, nt);
+#pragma omp parallel for schedule(static) num_threads(nt) if (par_rows)
         for (int64_t i = 0; i < M; i++) rmsnorm(h + i * H, m->ln2[l], H, m->eps, xn + i * H);
         linear_q(m, QP(l, P_GU), xn, M, H, m->gu_w[l], m->gu_b[l], 2 * I, gu, 0, NULL, nt);
-        for (int64_t i = 0; i < M; i++) {
-            const float *g = gu + i * 2 * I, *u = g + I;
-            float *a = act + i * I;
-            for (int64_t j = 0; j < I; j++) a[j] = g[j] / (1.f + expf(-g[j])) * u[j];
-        }
+#pragma omp parallel for schedule(static) num_threads(nt) if (par_rows)
+        for (int64_t i = 0; i < M; i++) silu_mul(gu + i * 2 * I, gu + i * 2 * I + I, I, act + i * I);
         linear_q(m, QP(l, P_DOWN), act, M, I, m->down_w[l], m->down_b[l], H, h, 1, xn, nt);
     }
     free(rows);
     free(seq);
+    free(ctx);
     if (rc != 0) return -1;
     for (int64_t j = 0; j < nlogits; j++) rmsnorm(h + logit_rows[j] * H, m->norm, H, m->eps, xn + j * H);
 #undef QP
-    linear_q(m, m->head_q, xn, nlogits, H, m->lm_head, NULL, m->vocab, logits, 0, NULL, nt);
+    if (nlogits > 0)
+        linear_q(m, m->head_q, xn, nlogits, H, m->lm_head, NULL, m->vocab, logits, 0, NULL, nt);
     return 0;
 }

@@ -96,9 +96,116 @@ def test_logits_rows_subset_and_order(runner):
     assert_close(fused, ref)
 
 
-def test_prefill_and_mixed_steps_keep_the_torch_path(runner):
-    assert fused_decode.FusedDecoder.accepts(num_tokens=4, num_seqs=4)
-    assert not fused_decode.FusedDecoder.accepts(num_tokens=5, num_seqs=4)
+# Varlen steps (issue 15): prefill chunks, alone or mixed with decodes, through the same C call.
+# Each case: (cached tokens, new tokens, logits) per sequence; cached 0 = a prompt from scratch,
+# cached > 0 = a chunk after a prefix already in the pool (a prefix-cache hit or an earlier chunk).
+VARLEN = {
+    "prefill": [(0, 13, True)],                                           # 4 blocks of 4
+    "cached-start": [(9, 7, True)],                                       # starts mid-block
+    "mixed": [(0, 11, True), (6, 1, True), (14, 1, True), (5, 6, True), (21, 1, True)],
+    "no-logits-chunk": [(3, 1, True), (0, 10, False), (12, 5, True)],     # a chunk that does not sample
+    "two-prompts": [(0, 5, True), (0, 17, True)],
+}
+
+
+def varlen_batch(r: ModelRunner, case: list[tuple[int, int, bool]], seed: int, all_logits: bool = False):
+    """Prefill each sequence's cached part on the torch path; return the step's batch and per
+    sequence (tokens so far, block table)."""
+    cached = [c for c, _, _ in case if c]
+    seqs = prefill(r, cached, seed=seed) if cached else []
+    rng = random.Random(seed + 100)
+    used = {b for _, tab in seqs for b in tab}
+    free = [b for b in rng.sample(range(NUM_BLOCKS), NUM_BLOCKS) if b not in used]
+    chunks, state, it = [], [], iter(seqs)
+    for c, n, logits in case:
+        if c:
+            toks, tab = next(it)
+            tab = tab + free[:2]                       # room for the chunk beyond prefill()'s + 2
+            free = free[2:]
+        else:
+            toks, tab = [], []
+        new = [rng.randrange(r.info.vocab_size) for _ in range(n)]
+        need = -(-(c + n + 1) // BLOCK) - len(tab)
+        tab, free = tab + free[:max(need, 0)], free[max(need, 0):]
+        chunks.append(SeqChunk(new, c, tab, logits=logits, all_logits=all_logits and logits))
+        state.append((toks + new, tab))
+    return build_batch(chunks, BLOCK), state
+
+
+@pytest.mark.parametrize("case", list(VARLEN))
+def test_varlen_step_matches_torch_path(runner, case):
+    """Logits (1e-4 rel), argmax and the stored K/V equal to the torch path; then a decode step of
+    every sequence reads the K/V the fused varlen step wrote."""
+    batch, state = varlen_batch(runner, VARLEN[case], seed=len(case))
+    assert runner.fused.accepts(batch.input_ids.shape[0], batch.seq_lens.shape[0])
+    fused, ref, kv_fused, kv_ref = both_paths(runner, batch)
+    assert fused.shape == (sum(lg for _, _, lg in VARLEN[case]), runner.info.vocab_size)
+    assert_close(fused, ref)
+    assert torch.equal(fused.argmax(-1), ref.argmax(-1))
+    assert (kv_fused - kv_ref).abs().max().item() < 1e-5
+    runner.storage.kv.copy_(kv_fused)                  # continue from what the fused step stored
+    step = build_batch([SeqChunk([t[-1]], len(t), tab) for t, tab in state], BLOCK)
+    fused, ref, _, _ = both_paths(runner, step)
+    assert_close(fused, ref)
+
+
+def test_varlen_all_logits_rows(runner):
+    """Logits for every row of a chunk (speculative verification's layout)."""
+    batch, _ = varlen_batch(runner, [(7, 4, True), (10, 1, True), (0, 6, True)], seed=3, all_logits=True)
+    fused, ref, _, _ = both_paths(runner, batch)
+    assert fused.shape[0] == 11
+    assert_close(fused, ref)
+
+
+def test_varlen_long_prefill_blas_and_threads(runner):
+    """70 + 3 rows: the linears take MKL's sgemm (M >= GEMM_MIN_M) where torch exports it, and the
+    per-row loops and attention split over 2 threads; both equal the torch path."""
+    batch, _ = varlen_batch(runner, [(0, 70, True), (9, 1, True), (4, 2, True)], seed=8)
+    fused, ref, kv_fused, kv_ref = both_paths(runner, batch)
+    assert_close(fused, ref)
+    assert (kv_fused - kv_ref).abs().max().item() < 1e-5
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        two, _, kv_two, _ = both_paths(runner, batch)
+    finally:
+        torch.set_num_threads(threads)
+    assert_close(two, fused)
+    assert (kv_two - kv_fused).abs().max().item() < 1e-5
+
+
+def test_token_budget_routes_steps(runner, monkeypatch):
+    """All-decode steps are always fused; a step with a prefill chunk only within max_tokens
+    (TRITON_LLM_FUSED_MAX_TOKENS at load); 0 keeps every prefill step on the torch path."""
+    fused = runner.fused
+    budget = fused.max_tokens
+    try:
+        fused.max_tokens = 8
+        assert fused.accepts(num_tokens=4, num_seqs=4) and fused.accepts(num_tokens=40, num_seqs=40)
+        assert fused.accepts(num_tokens=8, num_seqs=2) and not fused.accepts(num_tokens=9, num_seqs=2)
+        fused.max_tokens = 0
+        assert not fused.accepts(num_tokens=5, num_seqs=4)
+        batch, _ = varlen_batch(runner, [(0, 6, True), (5, 1, True)], seed=4)
+        monkeypatch.setattr(fused, "forward", lambda *a, **k: pytest.fail("a prefill step took the fused path"))
+        assert runner.execute(batch).shape == (2, runner.info.vocab_size)
+    finally:
+        fused.max_tokens = budget
+    monkeypatch.setenv("TRITON_LLM_FUSED_MAX_TOKENS", "0")
+    assert fused_decode.max_tokens() == 0
+
+
+def test_bad_sequence_layout_is_a_clear_error(runner):
+    batch, _ = varlen_batch(runner, [(0, 5, True), (3, 2, True)], seed=6)
+    bad = batch.seq_lens.clone()
+    bad[0] = 2                                          # context shorter than the chunk
+    with pytest.raises(ValueError, match="out of range"):
+        runner.fused.forward(batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables, bad,
+                             batch.logits_indices, batch.cu_seqlens_q)
+
+
+def test_quantized_varlen_step_matches_quantized_torch_path(qrunner):
+    """int8 / int4 projections in a mixed step (M = 20, below SMALL_M: the same C GEMM on both paths)."""
+    test_varlen_step_matches_torch_path(qrunner, "mixed")
 
 
 def test_bad_token_id_is_a_clear_error(runner):
