@@ -109,49 +109,69 @@ def _json(result, name: str):
         return None
 
 
-class _Raw:
-    """The outputs of one gRPC response read once from its protobuf (tritonclient's ``as_numpy``
-    scans every output per call: a dozen scans per streamed token); same values as ``as_numpy``
-    for the INT32 and BYTES[1] tensors of backend/protocol.py."""
-    __slots__ = ("raw",)
-
-    def __init__(self, response) -> None:
-        contents = response.raw_output_contents
-        self.raw = {o.name: (o.datatype, contents[i]) for i, o in enumerate(response.outputs)}
-
-    def as_numpy(self, name: str):
-        got = self.raw.get(name)
-        if got is None:
-            return None
-        dtype, buf = got
-        if dtype == "INT32":
-            return np.frombuffer(buf, dtype="<i4")
-        if dtype == "BYTES":
-            items, at = [], 0
-            while at + 4 <= len(buf):
-                n = int.from_bytes(buf[at:at + 4], "little")
-                items.append(bytes(buf[at + 4:at + 4 + n]))
-                at += 4 + n
-            return np.array(items, dtype=np.object_)
-        raise TypeError(dtype)
+def _str0(buf) -> str:
+    """The first element of a raw BYTES tensor ("" if it has none)."""
+    if len(buf) < 4:
+        return ""
+    n = int.from_bytes(buf[0:4], "little")
+    return bytes(buf[4:4 + n]).decode("utf-8", errors="replace")
 
 
-def _fast(result):
-    """``_Raw`` over a tritonclient gRPC InferResult whose outputs are all raw INT32/BYTES, else
-    the result itself."""
+def _raw_outputs(result) -> dict | None:
+    """name -> raw bytes of a tritonclient gRPC InferResult whose outputs are all raw INT32/BYTES
+    (read once from the protobuf: tritonclient's ``as_numpy`` scans every output per call, a dozen
+    scans and numpy arrays per streamed token), else None."""
     get = getattr(result, "get_response", None)
     if get is None:
-        return result
+        return None
     response = get()
-    if len(response.raw_output_contents) != len(response.outputs) or \
-            any(o.datatype not in ("INT32", "BYTES") for o in response.outputs):
-        return result
-    return _Raw(response)
+    contents, outs = response.raw_output_contents, response.outputs
+    if len(contents) != len(outs):
+        return None
+    raw = {}
+    for i, o in enumerate(outs):
+        if o.datatype not in ("INT32", "BYTES"):
+            return None
+        raw[o.name] = contents[i]
+    return raw
+
+
+def _parse_raw(raw: dict) -> Chunk:
+    """The values ``as_numpy`` would give for the INT32 and BYTES[1] tensors of backend/protocol.py."""
+    def s(name):
+        b = raw.get(name)
+        return None if b is None else _str0(b)
+
+    def i(name, default=0):
+        b = raw.get(name)
+        return default if b is None or len(b) < 4 else int.from_bytes(b[0:4], "little", signed=True)
+
+    def ids(name):
+        b = raw.get(name)
+        return None if b is None else np.frombuffer(b, dtype="<i4").tolist()
+
+    def js(name):
+        text = s(name)
+        if not text:
+            return None
+        try:
+            return json.loads(text)
+        except ValueError:
+            log.warning("output %s is not JSON: %.80r", name, text)
+            return None
+
+    return Chunk(index=i(P.INDEX), text=s(P.TEXT_OUTPUT) or "", token_ids=ids(P.OUTPUT_IDS) or [],
+                 finish_reason=s(P.FINISH_REASON) or None, prompt_tokens=i(P.PROMPT_TOKENS),
+                 completion_tokens=i(P.COMPLETION_TOKENS), cached_tokens=i(P.CACHED_TOKENS),
+                 logprobs=js(P.LOGPROBS), metrics=js(P.METRICS), window_ids=ids(P.WINDOW_IDS),
+                 num_sent=i(P.NUM_SENT, None), max_chars=i(P.MAX_CHARS, None))
 
 
 def parse_response(result) -> Chunk:
     """A tritonclient InferResult of the ensemble or the engine -> Chunk."""
-    result = _fast(result)
+    raw = _raw_outputs(result)
+    if raw is not None:
+        return _parse_raw(raw)
     finish = _scalar(result, P.FINISH_REASON, "") or None
     return Chunk(
         index=int(_scalar(result, P.INDEX, 0) or 0),
