@@ -11,9 +11,10 @@ gone and ``post`` answers a late message itself, so a request submitted during s
 its one FINAL.
 
 Cancellation costs an ``is_cancelled()`` IPC round trip, so it is checked per request on a time
-basis: at most once per ``cancel_check_interval`` when the request sends (``sweep_interval`` for a
-step of the ``llm`` ensemble, which Triton never tells about a cancel: its clients send an explicit
-abort), and by the sweep (every ``sweep_interval``) when it sends nothing. A cancel seen is aborted in the engine at once, so the
+basis: at most once per ``cancel_check_interval`` when the request sends (``ensemble_cancel_interval``
+for a step of the ``llm`` ensemble, which Triton never tells about a cancel: its clients send an
+explicit abort), and by the sweep (every ``sweep_interval``, or the request's own longer interval) when
+it sends nothing. A cancel seen is aborted in the engine at once, so the
 request's blocks are free before the engine's next step.
 
 Text: with a ``detokenizer`` (backend/serving/postprocess.py ``Postprocessor``) the thread also
@@ -56,6 +57,7 @@ log = logging.getLogger(__name__)
 
 MAX_DRAIN = 4096                # messages taken per step (bounds one step's latency under a flood)
 CANCEL_CHECK_INTERVAL = 0.02    # s; at the 16-stream goal rate (~20 ms a token) about every other send
+ENSEMBLE_CANCEL_CHECK = 1.0     # s; steps of the llm ensemble (Triton does not tell them about cancels)
 BUSY_STREAMS = 16               # open requests from which busy_stream_interval gathers tokens
 DUE_SLACK = 0.001               # s; held deltas due this soon go with the ones due now (one wake-up)
 
@@ -65,6 +67,7 @@ class ResponseThread:
                  stream_interval: float = 0.0, busy_stream_interval: float = 0.0,
                  busy_streams: int = BUSY_STREAMS, sweep_interval: float = 0.1,
                  cancel_check_interval: float = CANCEL_CHECK_INTERVAL,
+                 ensemble_cancel_interval: float = ENSEMBLE_CANCEL_CHECK,
                  clock: Callable[[], float] = time.monotonic, q: queue.Queue | None = None,
                  detokenizer: Any = None) -> None:
         self.loop = loop
@@ -78,6 +81,7 @@ class ResponseThread:
         self._holding: dict[RequestHandle, None] = {}   # requests with held deltas (ordered set)
         self.sweep_interval = sweep_interval
         self.cancel_check_interval = cancel_check_interval
+        self.ensemble_cancel_interval = ensemble_cancel_interval
         self._clock = clock
         self._q: queue.Queue = q if q is not None else queue.Queue()
         self._lock = threading.RLock()      # post() vs the switch to closed (re-entrant: inline answers)
@@ -207,9 +211,10 @@ class ResponseThread:
             self._open[h] = None
             # A step of the llm ensemble (it asks for the text outputs, never the token window) is
             # not told about client cancels (Triton does not forward them into ensemble steps; the
-            # clients send an explicit abort): ask for it only as often as the sweep does.
+            # clients send an explicit abort): ask for it only once a second (at 32 streams, every
+            # 100 ms was as many IPC round trips as the gathered sends themselves).
             ensemble_step = h.want is not None and P.TEXT_LOGPROBS in h.want and P.WINDOW_IDS not in h.want
-            h.cancel_every = self.sweep_interval if ensemble_step else self.cancel_check_interval
+            h.cancel_every = self.ensemble_cancel_interval if ensemble_step else self.cancel_check_interval
         elif isinstance(msg, Rejected):
             self.latency.rejected(wire_kind(msg.error))
             self._finish(msg.handle, error=msg.error)
@@ -327,7 +332,7 @@ class ResponseThread:
     def _sweep(self, now: float) -> None:
         """Requests that send nothing for a while (queued, non-streaming) are checked here."""
         for h in list(self._open):
-            if not h.done and not h.cancelled and now - h.last_check >= self.sweep_interval:
+            if not h.done and not h.cancelled and now - h.last_check >= max(self.sweep_interval, h.cancel_every):
                 self._check(h, now)
 
     def _finish(self, h: RequestHandle, *, error: EngineError | None = None, abort_rest: bool = False) -> None:
