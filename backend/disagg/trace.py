@@ -160,6 +160,13 @@ def _itl(tokens: dict[tuple[str, int], float]) -> dict[tuple[str, int], float]:
     return out
 
 
+def _by_running(steps: list[dict]) -> dict[int, list[float]]:
+    out: dict[int, list[float]] = {}
+    for r in steps:
+        out.setdefault(r["run"], []).append(r["t1"] - r["ta"])
+    return out
+
+
 def report(directory: str | os.PathLike, window: tuple[float, float] | None = None,
            prefix: str = "") -> dict:
     """Join the decode traces and the client arrivals of ``directory``; print and return the split.
@@ -213,6 +220,7 @@ def report(directory: str | os.PathLike, window: tuple[float, float] | None = No
         "between_steps_p50": pct(gaps, 0.5), "between_steps_p99": pct(gaps, 0.99),
         "admit_p50": pct(admit, 0.5), "admit_max": max(admit, default=float("nan")), "admit_steps": len(admit),
         "steps": len(sel),
+        "step_by_running": {n: (len(v), pct(v, 0.5)) for n, v in sorted(_by_running(sel).items()) if len(v) >= 20},
         "gc": {g: (sum(1 for x in gsel if x["gen"] == g), 1e3 * max((x["dur"] for x in gsel if x["gen"] == g),
                                                                    default=0.0)) for g in (0, 1, 2)},
         "client_gc": {g: (sum(1 for x in cgc if x["gen"] == g), 1e3 * max((x["dur"] for x in cgc if x["gen"] == g),
@@ -240,6 +248,8 @@ def format_report(r: dict) -> str:
             f"between steps p50 {ms('between_steps_p50')} p99 {ms('between_steps_p99')} ms\n"
             f"admission (on the step thread)  {r['admit_steps']} steps, p50 {ms('admit_p50')} ms, "
             f"max {ms('admit_max')} ms\n"
+            f"step p50 by running sequences: "
+            + ", ".join(f"{n}: {1e3 * t:.1f} ms ({c})" for n, (c, t) in r["step_by_running"].items()) + "\n"
             f"GC in the decode process: {gc_s}\n"
             f"GC in the client process: {cgc_s}\n"
             f"the client's p99 tokens: {r['tail_tokens']}, of which {r['tail_with_slow_engine']} had an engine "

@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 import gc
 import logging
+import os
 import sys
 import threading
 import time
@@ -121,6 +122,11 @@ def apply_knobs(knobs: dict) -> None:
     """Process-wide settings a traced bench flips between rounds (backend/disagg/trace.py control)."""
     if "switch_interval" in knobs:
         sys.setswitchinterval(float(knobs["switch_interval"]))
+    if "step_nice" in knobs:                    # this (the engine) thread's nice value
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), int(knobs["step_nice"]))
+        except OSError:
+            pass
     log.warning("decode knobs now %s (switch interval %.4f s)", knobs, sys.getswitchinterval())
 
 
