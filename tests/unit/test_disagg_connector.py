@@ -139,3 +139,28 @@ def test_shm_refuses_foreign_segment_names():
         with pytest.raises(TransferError, match="not a KV transfer segment"):
             conn.fetch(loc, 0, 1)
         conn.release(loc)                           # ignored, no exception
+
+
+@pytest.mark.parametrize("dev_shm", [True, False])
+def test_shm_fetch_of_an_unaligned_range_maps_or_copies_the_same_bytes(dev_shm, monkeypatch):
+    """The decode side's mapping starts on a page, the range inside it need not (blocks of 1,250
+    floats = 5,000 bytes); without /dev/shm the portable path gives the same tensor."""
+    import backend.disagg.shm as shm_mod
+    if not dev_shm:
+        monkeypatch.setattr(shm_mod, "SHM_DIR", "/nonexistent-shm-dir")
+    elif not __import__("os").path.isdir(shm_mod.SHM_DIR):
+        pytest.skip("no /dev/shm")
+    full = torch.arange(8 * 1250, dtype=torch.float32).reshape(8, 2, 625)
+    stager, fetcher = SharedMemoryConnector(), SharedMemoryConnector()
+    loc = stager.stage("x", full)
+    got = fetcher.fetch(loc, 3, 4)
+    assert torch.equal(got, full[3:7])
+    fetcher.discard(got)
+    del got
+    with pytest.raises(TransferError):
+        fetcher.fetch(loc, 0, 1)                           # read once: the name is gone
+    assert fetcher.stats().fetched == 1 and stager.num_staged() == 0
+    deadline = time.monotonic() + 5
+    while fetcher._graveyard and time.monotonic() < deadline:   # unmapped by the releaser thread
+        time.sleep(0.01)
+    assert not fetcher._graveyard
