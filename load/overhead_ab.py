@@ -13,7 +13,9 @@ the benchmark client stays this tree's.
 Per contender and load point: output tok/s, ITL p50, and the CPU time of every process involved
 (the benchmark process, tritonserver and its stubs, the shim) per output token -- CPU time is what
 competes with the engine's compute thread on a small machine, and it is robust to being descheduled.
-The table shows the best round of each (highest tok/s; lowest CPU ms/token); the JSON keeps all.
+The table shows the best round of each (highest tok/s; lowest CPU ms/token) and the median of the
+per-round ratios; the JSON keeps all. ``--keep-up`` starts every contender once and only alternates the
+load (short rounds, many pairs: the better choice on a shared, noisy host).
 """
 from __future__ import annotations
 
@@ -118,59 +120,87 @@ def split_contender(label: str) -> tuple[str, dict]:
     return name, dict(item.split("=", 1) for item in items)
 
 
-async def run_contender(label: str, model: str, opts: dict, points: list[tuple[int, int]], seed: int) -> list[dict]:
-    name, extra = split_contender(label)
-    tree = extra.pop("tree", None)
-    opts = {**opts, **extra}
-    old_env = os.environ.get(POSTPROCESSING_STEP_ENV)
-    if name.endswith("-post"):
-        os.environ[POSTPROCESSING_STEP_ENV] = "1"
-    else:
-        os.environ.pop(POSTPROCESSING_STEP_ENV, None)
-    stack = None
-    try:
-        if name == "engine":
-            be = EngineBackend(resolve_model(model), opts)
+class Contender:
+    """One contender's backend (and stack): ``open`` starts and warms it, ``bench`` runs the load
+    points, ``close`` stops it."""
+
+    def __init__(self, label: str, model: str, opts: dict) -> None:
+        self.label = label
+        self.name, extra = split_contender(label)
+        self.tree = extra.pop("tree", None)
+        self.model, self.opts = model, {**opts, **extra}
+        self.stack = self.be = None
+
+    async def open(self) -> "Contender":
+        old_env = os.environ.get(POSTPROCESSING_STEP_ENV)   # read when the repository is generated
+        if self.name.endswith("-post"):
+            os.environ[POSTPROCESSING_STEP_ENV] = "1"
         else:
-            stack = (TreeStack(tree, str(resolve_model(model)), opts, shim=name.startswith("http"))
-                     if tree is not None else Stack(resolve_model(model), opts, shim=name.startswith("http")))
-            stack = stack.__enter__()
-            be = (ShimBackend(stack.shim_url, metrics_url=stack.metrics_url) if name.startswith("http")
-                  else GrpcBackend(stack.grpc_url, metrics_url=stack.metrics_url))
-        out = []
-        try:
-            await be.start()
-            await warm_up(be, 4)
-            for conc, n in points:
-                jobs = make_workload(WorkloadSpec("mixed", num_jobs=n, input_len=128, output_len=128,
-                                                  range_ratio=0.5, seed=seed))
-                pids = _pids(stack)
-                c0, t0 = _cpu(pids), time.perf_counter()
-                point = await bench_point(be, jobs, concurrency=conc, request_rate=None, progress=False,
-                                          desc=f"{name} c={conc}")
-                wall, cpu = time.perf_counter() - t0, _cpu(pids) - c0
-                s = point["summary"]
-                tokens = s["total_output_tokens"]
-                if s["failed"]:
-                    print(f"  {name} c={conc}: {s['failed']} failed: {s['errors']}", flush=True)
-                out.append({"contender": label, "concurrency": conc, "requests": n,
-                            "tok_s": s["output_throughput"], "itl_p50_ms": s["itl_ms"]["p50"],
-                            "tpot_p50_ms": s.get("tpot_ms", {}).get("p50"),
-                            "ttft_p50_ms": s["ttft_ms"]["p50"], "wall_s": wall, "cpu_s": cpu,
-                            "cpu_ms_per_token": 1000 * cpu / tokens if tokens else None})
-                r = out[-1]
-                print(f"  {label:10s} c={conc:3d}: {r['tok_s']:7.1f} tok/s  ITL p50 {r['itl_p50_ms']:6.2f} ms  "
-                      f"CPU {r['cpu_ms_per_token']:.2f} ms/token", flush=True)
-        finally:
-            await be.close()
-    finally:
-        if stack is not None:
-            stack.__exit__(None, None, None)
-        if old_env is None:
             os.environ.pop(POSTPROCESSING_STEP_ENV, None)
-        else:
-            os.environ[POSTPROCESSING_STEP_ENV] = old_env
-    return out
+        try:
+            name, model, opts, http = self.name, self.model, self.opts, self.name.startswith("http")
+            if name == "engine":
+                self.be = EngineBackend(resolve_model(model), opts)
+            else:
+                stack = (TreeStack(self.tree, str(resolve_model(model)), opts, shim=http)
+                         if self.tree is not None else Stack(resolve_model(model), opts, shim=http))
+                self.stack = stack.__enter__()
+                self.be = (ShimBackend(stack.shim_url, metrics_url=stack.metrics_url) if http
+                           else GrpcBackend(stack.grpc_url, metrics_url=stack.metrics_url))
+            await self.be.start()
+            await warm_up(self.be, 4)
+        except BaseException:
+            await self.close()
+            raise
+        finally:
+            if old_env is None:
+                os.environ.pop(POSTPROCESSING_STEP_ENV, None)
+            else:
+                os.environ[POSTPROCESSING_STEP_ENV] = old_env
+        return self
+
+    async def close(self) -> None:
+        try:
+            if self.be is not None:
+                await self.be.close()
+        finally:
+            self.be = None
+            if self.stack is not None:
+                stack, self.stack = self.stack, None
+                stack.__exit__(None, None, None)
+
+    async def bench(self, points: list[tuple[int, int]], seed: int) -> list[dict]:
+        out = []
+        for conc, n in points:
+            jobs = make_workload(WorkloadSpec("mixed", num_jobs=n, input_len=128, output_len=128,
+                                              range_ratio=0.5, seed=seed))
+            pids = _pids(self.stack)
+            c0, t0 = _cpu(pids), time.perf_counter()
+            point = await bench_point(self.be, jobs, concurrency=conc, request_rate=None, progress=False,
+                                      desc=f"{self.name} c={conc}")
+            wall, cpu = time.perf_counter() - t0, _cpu(pids) - c0
+            s = point["summary"]
+            tokens = s["total_output_tokens"]
+            if s["failed"]:
+                print(f"  {self.name} c={conc}: {s['failed']} failed: {s['errors']}", flush=True)
+            out.append({"contender": self.label, "concurrency": conc, "requests": n,
+                        "tok_s": s["output_throughput"], "itl_p50_ms": s["itl_ms"]["p50"],
+                        "tpot_p50_ms": s.get("tpot_ms", {}).get("p50"),
+                        "ttft_p50_ms": s["ttft_ms"]["p50"], "wall_s": wall, "cpu_s": cpu,
+                        "cpu_ms_per_token": 1000 * cpu / tokens if tokens else None})
+            r = out[-1]
+            print(f"  {self.label:10s} c={conc:3d}: {r['tok_s']:7.1f} tok/s  ITL p50 {r['itl_p50_ms']:6.2f} ms  "
+                  f"CPU {r['cpu_ms_per_token']:.2f} ms/token", flush=True)
+        return out
+
+
+async def run_contender(label: str, model: str, opts: dict, points: list[tuple[int, int]], seed: int) -> list[dict]:
+    """Start, bench and stop one contender."""
+    c = await Contender(label, model, opts).open()
+    try:
+        return await c.bench(points, seed)
+    finally:
+        await c.close()
 
 
 def table(results: list[dict], contenders: list[str]) -> str:
@@ -204,18 +234,28 @@ async def main_async(args) -> dict:
     n_for = {c: max(args.min_requests, c * args.requests_per_stream) for c in args.concurrency}
     points = [(c, n_for[c]) for c in args.concurrency]
     results = []
-    for rnd in range(args.rounds):
-        order = args.contenders if rnd % 2 == 0 else list(reversed(args.contenders))
-        for name in order:
-            print(f"round {rnd + 1}: {name}", flush=True)
-            try:
-                rows = await run_contender(name, args.model, opts, points, args.seed)
-            except Exception as exc:        # noqa: BLE001 - a stack that did not start (a busy host): next
-                print(f"  {name}: round {rnd + 1} failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-                continue
-            for r in rows:
-                r["round"] = rnd + 1
-                results.append(r)
+    up: dict[str, Contender] = {}
+    try:
+        if args.keep_up:                    # every stack up (idle) at once; rounds only run the load
+            for name in args.contenders:
+                print(f"starting {name}", flush=True)
+                up[name] = await Contender(name, args.model, opts).open()
+        for rnd in range(args.rounds):
+            order = args.contenders if rnd % 2 == 0 else list(reversed(args.contenders))
+            for name in order:
+                print(f"round {rnd + 1}: {name}", flush=True)
+                try:
+                    rows = await (up[name].bench(points, args.seed) if args.keep_up
+                                  else run_contender(name, args.model, opts, points, args.seed))
+                except Exception as exc:    # noqa: BLE001 - a stack that did not start (a busy host): next
+                    print(f"  {name}: round {rnd + 1} failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                    continue
+                for r in rows:
+                    r["round"] = rnd + 1
+                    results.append(r)
+    finally:
+        for c in up.values():
+            await c.close()
     return {"command": "python -m load.overhead_ab " + " ".join(sys.argv[1:]), "model": args.model,
             "engine_options": opts, "results": results, "table": table(results, args.contenders)}
 
@@ -232,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-requests", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--keep-up", action="store_true",
+                   help="start every contender once and keep them up (idle) between rounds: short rounds, "
+                        "many pairs (memory for all stacks at once)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     res = asyncio.run(main_async(args))
