@@ -119,8 +119,8 @@ async def run_phase(client, a, seed: int, tag: str = "") -> dict:
             "ttft_p99": pct(ttft, 0.99), "tok_s": tokens / a.seconds, "n_itl": len(itl), "n_ttft": len(ttft)}
 
 
-DEFAULT_KNOBS = {"switch_interval": 0.005}       # Python's default; what a layout without +knobs gets
-KNOB_ALIASES = {"si": "switch_interval", "nice": "step_nice"}
+DEFAULT_KNOBS = {"switch_interval": 0.005, "cancel_check_interval": 0.02}   # what a layout without +knobs gets
+KNOB_ALIASES = {"si": "switch_interval", "nice": "step_nice", "cancel": "cancel_check_interval"}
 
 
 async def warm_up(client) -> None:
@@ -241,7 +241,8 @@ def main() -> None:
                     base, _, knobs = layout.partition("+")
                     if a.trace:                      # e.g. isolate+switch_interval=0.001
                         kv = {KNOB_ALIASES.get(k, k): v for k, v in (x.split("=") for x in knobs.split(",") if x)}
-                        kv.setdefault("switch_interval", DEFAULT_KNOBS["switch_interval"])
+                        for k, v in DEFAULT_KNOBS.items():
+                            kv.setdefault(k, v)
                         with open(os.path.join(a.trace, "control.json"), "w") as f:
                             json.dump(kv, f)
                     pair.place(base, others=(me,))
