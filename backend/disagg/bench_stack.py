@@ -21,7 +21,16 @@ plus every ``--burst-every`` s a burst of ``--burst`` prompts of ``--burst-len``
 no prefix hits) generating ``--burst-tokens`` each. Reported, after ``--warmup`` s: the steady
 streams' inter-token latency p50/p99 (per token: the gap between two responses / tokens in the
 later one), the bursts' TTFT p50/p99, generated tokens/s, and the CPU seconds each layout's
-processes used. Layouts alternate per round (A/B/A/B), all servers started up front.
+processes used. Layouts alternate per round (A/B/A/B), all servers started up front; each layout
+gets its own random prompts (the layouts share one pair: repeated prompts would be prefix hits).
+
+``--trace DIR``: the decode server records its steps and GC pauses, this client every token's
+arrival, and each disaggregated round prints where its ITL went (backend/disagg/trace.py: engine
+vs delivery, step time by batch size, admission, GC). With it, ``layout+knob=value[,knob=value]``
+A/Bs decode-process settings in one run, e.g. ``isolate,isolate+cancel=1.0``: ``si`` (GIL switch
+interval, s), ``cancel`` (the response thread's is_cancelled() period, s), ``nice`` (the step
+thread's nice). This client's heap is frozen after start-up (``--client-gc``): its own full
+collections (up to 240 ms) would otherwise be counted as ITL.
 """
 from __future__ import annotations
 
