@@ -113,7 +113,7 @@ class PrefillEngine(_Wrapped):
 def name_os_threads() -> int:
     """Give this process's Python threads their names at the OS level too (/proc/self/task/<tid>/comm,
     15 characters): Python 3.11 leaves every thread of a stub named ``triton_python_b``, so neither
-    ``top -H`` nor ``apply_layout`` could tell the engine thread from the response thread."""
+    ``top -H`` nor bench_stack's per-thread CPU line could tell the engine thread from the response thread."""
     n = 0
     for t in threading.enumerate():
         tid = getattr(t, "native_id", None)
