@@ -26,7 +26,6 @@ so across hosts only as good as their sync) and queue depth, on Triton's metrics
 from __future__ import annotations
 
 import collections
-import gc
 import logging
 import os
 import sys
@@ -68,7 +67,7 @@ class _Wrapped:
 # whenever a stream ends early, so once a second is enough, as for the llm ensemble's steps.
 # Measured on the decode server (bench_stack isolate vs isolate+cancel=1.0, one run): ITL p50
 # 9.1 -> 8.0 ms, p99 17.5 -> 16.1 ms, tokens/s +5 %; is_cancelled() was 11 % of the response
-# thread's samples (py-spy). Read by build_engine_service when it is wired (requests.md, H2).
+# thread's samples (py-spy). build_engine_service passes it to the EngineService.
 ROLE_CANCEL_CHECK_INTERVAL = 1.0
 
 
@@ -250,10 +249,6 @@ class DecodeLoop(EngineLoop):
 def build_role(engine, args) -> tuple[Any, type[EngineLoop]]:
     """(the engine as EngineLoop should see it, the loop class) for ``args.role``."""
     connector = make_connector(args)
-    # Everything loaded so far (torch, transformers, the model) never becomes garbage: out of the
-    # collector's sight, a full collection costs ~1 ms instead of ~100 ms (a stalled decode step)
-    gc.collect()
-    gc.freeze()
     if args.role == "prefill":
         return PrefillEngine(engine, connector, ttl=args.kv_staged_ttl_s), EngineLoop
     return DecodeEngine(engine, connector), DecodeLoop

@@ -127,6 +127,9 @@ def build_engine_service(model_dir: str, params: dict[str, str], *, metrics_fact
     service = EngineService(loop, max_model_len=engine.max_model_len, metrics=metrics,
                             stream_interval=args.stream_interval, drain_timeout=args.shutdown_drain_s,
                             busy_stream_interval=args.busy_stream_interval,
+                            # the disaggregated roles check once a second: their router always
+                            # sends the explicit abort to both servers (disagg_engine.py)
+                            cancel_check_interval=getattr(engine, "cancel_check_interval", CANCEL_CHECK_INTERVAL),
                             allow_client_salt=args.allow_client_salt, test_faults=args.test_faults,
                             detokenizer=Postprocessor(model_dir))   # text in the engine (response_thread.py)
     if args.drain_file:

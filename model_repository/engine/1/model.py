@@ -3,6 +3,7 @@
 execute() copies each request out of pb_utils and hands it to the EngineService, which submits it
 to the EngineLoop thread and answers from its own response thread; execute() returns None at once.
 """
+import gc
 import logging
 
 import triton_python_backend_utils as pb_utils
@@ -88,6 +89,12 @@ class TritonPythonModel:
         self.service = build_engine_service(str(model_dir), params, metrics_factory=self.metric_factory,
                                             labels=labels)
         self.max_input = self.service.intake.max_model_len
+        # Everything loaded so far (torch, transformers, the model) lives as long as this process:
+        # out of the collector's sight, a full collection costs ~1 ms instead of ~100 ms (one
+        # stalled step for every running stream, about every 20 s under load; disaggregation
+        # bench, docs/benchmarks.md).
+        gc.collect()
+        gc.freeze()
 
     @staticmethod
     def _config(args):
