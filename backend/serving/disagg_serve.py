@@ -20,7 +20,6 @@ import pathlib
 import signal
 import sys
 import threading
-import time
 
 from backend.serving.tritonserver import ServerStartError, TritonServer
 
@@ -284,8 +283,7 @@ class DisaggServers:
 def serve_disagg(args: argparse.Namespace) -> int:
     """``triton-llm serve --disagg``: the pair + the shim until Ctrl-C / SIGTERM."""
     from backend.serving.process_group import terminate_group
-    from backend.serving.serve import EXIT_TIMEOUT, ROOT, SERVE_DRAIN_SECONDS, _interrupt, start_shim
-    from backend.serving.server_log import log_tail
+    from backend.serving.serve import EXIT_TIMEOUT, ROOT, _interrupt, drain, start_shim, watch
 
     workdir = pathlib.Path(args.workdir) if args.workdir else ROOT / "build" / "serve-disagg"
     workdir.mkdir(parents=True, exist_ok=True)
@@ -294,7 +292,7 @@ def serve_disagg(args: argparse.Namespace) -> int:
     ports = ({"http_port": args.http_port, "grpc_port": args.grpc_port, "metrics_port": args.metrics_port},
              {"http_port": args.http_port + 10, "grpc_port": args.grpc_port + 10,
               "metrics_port": args.metrics_port + 10})
-    shim = None
+    shim, stop_grace = None, None
     try:
         pair = DisaggServers(args.model, engine_options=args.engine_option, cpus=parse_cpus(args.disagg_cpus),
                              layout=getattr(args, "disagg_layout", "isolate"), workdir=workdir, ports=ports,
@@ -313,29 +311,15 @@ def serve_disagg(args: argparse.Namespace) -> int:
             print(f"OpenAI API    http://{'127.0.0.1' if args.host in ('0.0.0.0', '') else args.host}:"
                   f"{args.shim_port}/v1   (log: {workdir / 'shim.log'})")
         print("Ctrl-C to stop.", flush=True)
-        while True:
-            for s in pair.servers:
-                if not s.alive():
-                    print(f"tritonserver exited; last lines of {s.log_path}:\n{log_tail(s.log_path)}",
-                          file=sys.stderr)
-                    return 1
-            if shim is not None and shim.poll() is not None:
-                print(f"the shim exited; last lines of {workdir / 'shim.log'}:\n"
-                      f"{log_tail(workdir / 'shim.log')}", file=sys.stderr)
-                return 1
-            time.sleep(0.5)
+        return watch(pair.servers, shim, workdir)
     except KeyboardInterrupt:
-        print(f"\n[triton-llm] draining (up to {SERVE_DRAIN_SECONDS:g}s), then stopping", file=sys.stderr)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        pair.prefill.drain(SERVE_DRAIN_SECONDS)     # new requests refused; open prefills hand over
-        pair.decode.drain(SERVE_DRAIN_SECONDS)
+        stop_grace = drain(pair.prefill, pair.decode)   # new requests refused; open prefills hand over
         return 0
     except (ServerStartError, ValueError, FileNotFoundError) as exc:
         print(f"[triton-llm] error: {exc}", file=sys.stderr)
         return 1
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
         if shim is not None:
             terminate_group(shim, timeout=5)
-        pair.stop()
+        pair.stop(grace=stop_grace)

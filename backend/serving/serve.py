@@ -66,38 +66,44 @@ def _print_endpoints(args: argparse.Namespace, server: TritonServer, shim: subpr
     print("Ctrl-C to stop.", flush=True)
 
 
-def watch(server: TritonServer, shim: subprocess.Popen | None, workdir: pathlib.Path) -> int:
-    """Return 1 as soon as the server or the shim exits, or the engine loop died; runs until then."""
+def watch(servers: TritonServer | list[TritonServer], shim: subprocess.Popen | None, workdir: pathlib.Path) -> int:
+    """Return 1 as soon as a server or the shim exits, or an engine loop died; runs until then."""
+    servers = [servers] if isinstance(servers, TritonServer) else list(servers)
     next_health = time.monotonic() + HEALTH_INTERVAL
     while True:
-        if not server.alive():
-            print(f"tritonserver exited; last lines of {server.log_path}:\n{log_tail(server.log_path)}",
-                  file=sys.stderr)
-            return 1
+        for server in servers:
+            if not server.alive():
+                print(f"tritonserver exited; last lines of {server.log_path}:\n{log_tail(server.log_path)}",
+                      file=sys.stderr)
+                return 1
         if shim is not None and shim.poll() is not None:
             print(f"the shim exited; last lines of {workdir / 'shim.log'}:\n{log_tail(workdir / 'shim.log')}",
                   file=sys.stderr)
             return 1
         if time.monotonic() >= next_health:
             next_health = time.monotonic() + HEALTH_INTERVAL
-            if server.engine_healthy() is False:
-                # A Python model cannot flip its own readiness: unloading it does (readiness of
-                # engine and llm, and so the shim's /ready, go false); exiting lets a supervisor
-                # restart us.
-                print("[triton-llm] the engine loop died (llm_engine_healthy 0); stopping so a "
-                      f"supervisor can restart the server. Log: {server.log_path}", file=sys.stderr)
-                server.unload_generation()
-                return 1
+            for server in servers:
+                if server.engine_healthy() is False:
+                    # A Python model cannot flip its own readiness: unloading it does (readiness of
+                    # engine and llm, and so the shim's /ready, go false); exiting lets a supervisor
+                    # restart us.
+                    print("[triton-llm] the engine loop died (llm_engine_healthy 0); stopping so a "
+                          f"supervisor can restart the server. Log: {server.log_path}", file=sys.stderr)
+                    server.unload_generation()
+                    return 1
         time.sleep(0.5)
 
 
-def drain(server: TritonServer) -> float:
-    """Let open requests finish; returns how long ``stop()`` may still wait for what is left."""
+def drain(*servers: TritonServer) -> float:
+    """Let open requests finish, server by server (a prefill server first: its open prompts hand
+    over to the decode server, which drains next); returns how long ``stop()`` may still wait."""
     print(f"\n[triton-llm] draining open requests (up to {SERVE_DRAIN_SECONDS:g}s), then stopping", file=sys.stderr)
+    drained = True
     try:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)   # a second Ctrl-C would orphan the drain
-        drained = server.drain(SERVE_DRAIN_SECONDS)
+        for server in servers:
+            drained = server.drain(SERVE_DRAIN_SECONDS) and drained
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     # Drained (the engine cut what was open at the deadline): tritonserver has nothing left and

@@ -61,3 +61,58 @@ def test_serve_prints_endpoints_and_drains_on_sigterm(tmp_path):
             proc.wait()
     left = subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True, text=True).stdout.split()
     assert left == [], f"processes left behind: {left}"
+
+
+def test_serve_disagg_serves_a_stream_and_drains_it_on_sigterm(tmp_path):
+    """``serve --disagg``: the prefill/decode pair and the shim; a stream opened before SIGTERM
+    (handed over, so on the decode server) runs to its end, then everything stops with exit 0."""
+    import json
+    import urllib.request
+
+    grpc, shim_port = free_port(), free_port()
+    workdir = tmp_path / "serve-disagg"
+    cmd = [sys.executable, "-m", "backend.cli", "serve", "--disagg", "--model", str(model_dir("tiny")),
+           "--http-port", str(free_port()), "--grpc-port", str(grpc), "--metrics-port", str(free_port()),
+           "--shim-port", str(shim_port), "--workdir", str(workdir),
+           "--engine-option", "num_kv_blocks=128", "--engine-option", "num_threads=1"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 180
+        while not any("Ctrl-C to stop" in line for line in lines):
+            assert proc.poll() is None, "".join(lines)
+            assert time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.2)
+        out = "".join(lines)
+        assert "prefill  tritonserver" in out and "decode   tritonserver" in out
+        assert f"http://127.0.0.1:{shim_port}/v1" in out
+
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "drain me"}], "max_tokens": 120,
+                "temperature": 0, "ignore_eos": True, "stream": True}
+        req = urllib.request.Request(f"http://127.0.0.1:{shim_port}/v1/chat/completions",
+                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        resp = urllib.request.urlopen(req, timeout=60)
+        events = []
+        while len(events) < 3:                      # streaming: past the hand-over
+            line = resp.readline()
+            assert line, events
+            if line.startswith(b"data: {"):
+                events.append(json.loads(line[6:]))
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        for line in resp:                           # the open stream runs to its end
+            if line.startswith(b"data: {"):
+                events.append(json.loads(line[6:]))
+        assert not any("error" in e for e in events), events[-1]
+        finish = [c["finish_reason"] for e in events for c in e.get("choices", []) if c.get("finish_reason")]
+        assert finish == ["length"]
+        assert proc.wait(timeout=60) == 0
+        assert time.monotonic() - t0 < 45
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    left = subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True, text=True).stdout.split()
+    assert left == [], f"processes left behind: {left}"
