@@ -99,7 +99,11 @@ def _ids(result, name: str) -> list[int] | None:
 
 
 def _json(result, name: str):
-    text = _scalar(result, name, "")
+    return _loads(name, _scalar(result, name, ""))
+
+
+def _loads(name: str, text: str | None):
+    """A JSON output's value; None if empty or not JSON (logged)."""
     if not text:
         return None
     try:
@@ -151,14 +155,7 @@ def _parse_raw(raw: dict) -> Chunk:
         return None if b is None else np.frombuffer(b, dtype="<i4").tolist()
 
     def js(name):
-        text = s(name)
-        if not text:
-            return None
-        try:
-            return json.loads(text)
-        except ValueError:
-            log.warning("output %s is not JSON: %.80r", name, text)
-            return None
+        return _loads(name, s(name))
 
     return Chunk(index=i(P.INDEX), text=s(P.TEXT_OUTPUT) or "", token_ids=ids(P.OUTPUT_IDS) or [],
                  finish_reason=s(P.FINISH_REASON) or None, prompt_tokens=i(P.PROMPT_TOKENS),

@@ -182,3 +182,32 @@ def wait_metric(server, pred, timeout: float = 1.0, interval: float = 0.05) -> t
             raise AssertionError(f"metrics condition not met within {timeout}s: "
                                  f"{ {k[0]: v for k, v in snap.items() if 'bucket' not in k[0]} }")
         time.sleep(interval)
+
+
+def start_serve(args: list[str], *, timeout: float = 180, env: dict | None = None):
+    """``python -m backend.cli serve ARGS`` from the project root, its output collected line by line;
+    returns (process, lines) once it printed "Ctrl-C to stop" (fails the test with the output if
+    it exits or takes longer than ``timeout``). The caller stops it."""
+    import os
+    import subprocess
+    import sys
+    import threading
+
+    import pytest
+
+    from tests.conftest import ROOT
+
+    proc = subprocess.Popen([sys.executable, "-m", "backend.cli", "serve", *args], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **(env or {})})
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while not any("Ctrl-C to stop" in line for line in lines):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            pytest.fail(f"serve did not come up:\n{''.join(lines)}")
+        time.sleep(0.2)
+    return proc, lines

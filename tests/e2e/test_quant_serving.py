@@ -4,19 +4,15 @@ SDK's ``models.list()`` (shim -> Triton's engine config) and the startup log rep
 loaded model's weight bytes."""
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
-import threading
-import time
 import uuid
 
 import pytest
 
 from backend.serving.launcher import free_port
-from tests.conftest import ROOT, model_dir
-from tests.e2e.helpers import Result, Stream, abort, make_inputs, metric, scrape, wait_metric
+from tests.conftest import model_dir
+from tests.e2e.helpers import Result, Stream, abort, make_inputs, metric, scrape, start_serve, wait_metric
 
 pytestmark = pytest.mark.e2e
 
@@ -33,22 +29,12 @@ class _Addr:
 def int8_server(tmp_path_factory):
     http, grpc, metrics, shim = free_port(), free_port(), free_port(), free_port()
     workdir = tmp_path_factory.mktemp("serve")
-    cmd = [sys.executable, "-m", "backend.cli", "serve", "--model", str(model_dir("tiny")),
-           "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
-           "--shim-port", str(shim), "--workdir", str(workdir),
-           "--engine-option", "quantization=int8", "--engine-option", "num_kv_blocks=128",
-           "--engine-option", "num_threads=1"]
     # A short drain: the teardown need not wait the default 60 s for the cancelled stream's leftovers.
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "TRITON_LLM_DRAIN_SECONDS": "2"})
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    proc, lines = start_serve(["--model", str(model_dir("tiny")), "--http-port", str(http), "--grpc-port", str(grpc),
+                               "--metrics-port", str(metrics), "--shim-port", str(shim), "--workdir", str(workdir),
+                               "--engine-option", "quantization=int8", "--engine-option", "num_kv_blocks=128",
+                               "--engine-option", "num_threads=1"], env={"TRITON_LLM_DRAIN_SECONDS": "2"})
     try:
-        deadline = time.monotonic() + 180
-        while not any("Ctrl-C to stop" in line for line in lines):
-            assert proc.poll() is None, "".join(lines)
-            assert time.monotonic() < deadline, "".join(lines)
-            time.sleep(0.2)
         yield _Addr(grpc, metrics, shim, workdir, lines)
     finally:
         proc.terminate()

@@ -14,8 +14,6 @@ import http.client
 import json
 import pathlib
 import re
-import shutil
-import tempfile
 import time
 import urllib.request
 
@@ -24,46 +22,21 @@ import pytest
 pytestmark = pytest.mark.e2e
 ray = pytest.importorskip("ray")
 
-from backend.serving.process_group import free_port  # noqa: E402
 from tests.conftest import E2E_ENGINE_OPTIONS, model_dir  # noqa: E402
+from tests.e2e.ray_app import serve_app  # noqa: E402
 
 APP = "tllm-pd"
 
 
 @pytest.fixture(scope="module")
 def disagg_app():
-    from ray import serve
+    from backend.scale.app import ScaleConfig
 
-    from backend.scale.app import ScaleConfig, build_app
-
-    port = free_port()
-    started = time.time() - 1
-    root = str(pathlib.Path(__file__).resolve().parents[2])
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR",
-             runtime_env={"env_vars": {"PYTHONPATH": root}})
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        cfg = ScaleConfig(model_dir=str(model_dir("tiny")), engine_options=dict(E2E_ENGINE_OPTIONS),
-                          replicas=1, prefill_replicas=1, replica_cpus=0.5, ingress_cpus=0.25,
-                          health_check_period_s=1.0, graceful_shutdown_s=5.0, shim={"model_name": "tiny"})
-        serve.run(build_app(cfg), name=APP, route_prefix="/", blocking=False)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            st = serve.status().applications.get(APP)
-            if st is not None and st.status == "RUNNING":
-                break
-            time.sleep(1)
-        else:
-            pytest.fail(f"the Ray Serve app did not start: {serve.status()}")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            for d in pathlib.Path(tempfile.gettempdir()).glob("tllm-replica-*"):
-                if d.stat().st_mtime >= started:
-                    shutil.rmtree(d, ignore_errors=True)
+    cfg = ScaleConfig(model_dir=str(model_dir("tiny")), engine_options=dict(E2E_ENGINE_OPTIONS),
+                      replicas=1, prefill_replicas=1, replica_cpus=0.5, ingress_cpus=0.25,
+                      health_check_period_s=1.0, graceful_shutdown_s=5.0, shim={"model_name": "tiny"})
+    with serve_app(cfg, APP) as base:
+        yield base
 
 
 def _get(url: str) -> str:

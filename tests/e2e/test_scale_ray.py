@@ -18,10 +18,8 @@ import http.client
 import json
 import os
 import pathlib
-import shutil
 import signal
 import socket
-import tempfile
 import threading
 import time
 import urllib.request
@@ -31,8 +29,8 @@ import pytest
 pytestmark = pytest.mark.e2e
 ray = pytest.importorskip("ray")
 
-from backend.serving.process_group import free_port  # noqa: E402
 from tests.conftest import E2E_ENGINE_OPTIONS, model_dir  # noqa: E402
+from tests.e2e.ray_app import serve_app  # noqa: E402
 
 APP = "tllm"
 FALLBACK_MAX_ONGOING = 4            # primary ongoing requests per replica past which it is saturated
@@ -72,44 +70,17 @@ def _metric(port: int, name: str) -> float:
 
 @pytest.fixture(scope="module")
 def scaled():
-    from ray import serve
+    from backend.scale.app import ScaleConfig
 
-    from backend.scale.app import ScaleConfig, build_app
-
-    port = free_port()
-    started = time.time() - 1
-    root = str(pathlib.Path(__file__).resolve().parents[2])
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR",
-             runtime_env={"env_vars": {"PYTHONPATH": root}})
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        cfg = ScaleConfig(model_dir=str(model_dir("tiny")), engine_options=dict(E2E_ENGINE_OPTIONS),
-                          replicas=2, replica_cpus=0.5, ingress_cpus=0.25, imbalance=4,
-                          health_check_period_s=1.0, graceful_shutdown_s=5.0,
-                          fallback_model_dir=str(model_dir("tiny")),
-                          fallback_engine_options=dict(E2E_ENGINE_OPTIONS), fallback_replicas=1,
-                          fallback_max_ongoing=FALLBACK_MAX_ONGOING, fallback_queue_s=FALLBACK_QUEUE_S,
-                          fallback_model_name="tiny-lite", shim={"model_name": "tiny"})
-        serve.run(build_app(cfg), name=APP, route_prefix="/", blocking=False)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            st = serve.status().applications.get(APP)
-            if st is not None and st.status == "RUNNING":
-                break
-            time.sleep(1)
-        else:
-            pytest.fail(f"the Ray Serve app did not start: {serve.status()}")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        try:
-            serve.shutdown()                     # replicas' __del__ stop their tritonservers
-        finally:
-            ray.shutdown()
-            # Ray does not always run a replica's __del__ (killed, replaced): its server dies with
-            # it, its workdir stays; remove this run's.
-            for d in pathlib.Path(tempfile.gettempdir()).glob("tllm-replica-*"):
-                if d.stat().st_mtime >= started:
-                    shutil.rmtree(d, ignore_errors=True)
+    cfg = ScaleConfig(model_dir=str(model_dir("tiny")), engine_options=dict(E2E_ENGINE_OPTIONS),
+                      replicas=2, replica_cpus=0.5, ingress_cpus=0.25, imbalance=4,
+                      health_check_period_s=1.0, graceful_shutdown_s=5.0,
+                      fallback_model_dir=str(model_dir("tiny")),
+                      fallback_engine_options=dict(E2E_ENGINE_OPTIONS), fallback_replicas=1,
+                      fallback_max_ongoing=FALLBACK_MAX_ONGOING, fallback_queue_s=FALLBACK_QUEUE_S,
+                      fallback_model_name="tiny-lite", shim={"model_name": "tiny"})
+    with serve_app(cfg, APP) as base:
+        yield base
 
 
 def _post(base: str, body: dict, timeout: float = 120, headers: dict | None = None,

@@ -3,16 +3,14 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
-import threading
 import time
 import uuid
 
 import pytest
 
 from backend.serving.launcher import free_port
-from tests.conftest import ROOT, model_dir
-from tests.e2e.helpers import Result, Stream, make_inputs
+from tests.conftest import model_dir
+from tests.e2e.helpers import Result, Stream, make_inputs, start_serve
 
 pytestmark = pytest.mark.e2e
 
@@ -25,20 +23,11 @@ class _Addr:
 def test_serve_prints_endpoints_and_drains_on_sigterm(tmp_path):
     http, grpc, metrics = free_port(), free_port(), free_port()
     workdir = tmp_path / "serve"
-    cmd = [sys.executable, "-m", "backend.cli", "serve", "--model", str(model_dir("tiny")),
-           "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
-           "--shim-port", "0", "--workdir", str(workdir),
-           "--engine-option", "num_kv_blocks=128", "--engine-option", "num_threads=1"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
-    reader.start()
+    proc, lines = start_serve(["--model", str(model_dir("tiny")), "--http-port", str(http), "--grpc-port", str(grpc),
+                               "--metrics-port", str(metrics), "--shim-port", "0", "--workdir", str(workdir),
+                               "--engine-option", "num_kv_blocks=128", "--engine-option", "num_threads=1"],
+                              timeout=120)
     try:
-        deadline = time.monotonic() + 120
-        while not any("Ctrl-C to stop" in line for line in lines):
-            assert proc.poll() is None, "".join(lines)
-            assert time.monotonic() < deadline, "".join(lines)
-            time.sleep(0.2)
         out = "".join(lines)
         assert f"grpc 127.0.0.1:{grpc}" in out and f"http://127.0.0.1:{metrics}/metrics" in out
 
@@ -71,20 +60,11 @@ def test_serve_disagg_serves_a_stream_and_drains_it_on_sigterm(tmp_path):
 
     grpc, shim_port = free_port(), free_port()
     workdir = tmp_path / "serve-disagg"
-    cmd = [sys.executable, "-m", "backend.cli", "serve", "--disagg", "--model", str(model_dir("tiny")),
-           "--http-port", str(free_port()), "--grpc-port", str(grpc), "--metrics-port", str(free_port()),
-           "--shim-port", str(shim_port), "--workdir", str(workdir),
-           "--engine-option", "num_kv_blocks=128", "--engine-option", "num_threads=1"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
-    reader.start()
+    proc, lines = start_serve(["--disagg", "--model", str(model_dir("tiny")), "--http-port", str(free_port()),
+                               "--grpc-port", str(grpc), "--metrics-port", str(free_port()),
+                               "--shim-port", str(shim_port), "--workdir", str(workdir),
+                               "--engine-option", "num_kv_blocks=128", "--engine-option", "num_threads=1"])
     try:
-        deadline = time.monotonic() + 180
-        while not any("Ctrl-C to stop" in line for line in lines):
-            assert proc.poll() is None, "".join(lines)
-            assert time.monotonic() < deadline, "".join(lines)
-            time.sleep(0.2)
         out = "".join(lines)
         assert "prefill  tritonserver" in out and "decode   tritonserver" in out
         assert f"http://127.0.0.1:{shim_port}/v1" in out

@@ -1,0 +1,51 @@
+"""One Ray Serve application for an e2e test module: a local Ray cluster, Serve's HTTP proxy on a
+free loopback port, the app built from a ScaleConfig, torn down with its replicas' workdirs."""
+from __future__ import annotations
+
+import contextlib
+import pathlib
+import shutil
+import tempfile
+import time
+
+import pytest
+
+from backend.serving.process_group import free_port
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+@contextlib.contextmanager
+def serve_app(cfg, name: str, *, num_cpus: int = 4, start_timeout: float = 300):
+    """Yields the app's base URL once Serve reports it RUNNING."""
+    import ray
+    from ray import serve
+
+    from backend.scale.app import build_app
+
+    port = free_port()
+    started = time.time() - 1
+    ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level="ERROR",
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(cfg), name=name, route_prefix="/", blocking=False)
+        deadline = time.monotonic() + start_timeout
+        while time.monotonic() < deadline:
+            st = serve.status().applications.get(name)
+            if st is not None and st.status == "RUNNING":
+                break
+            time.sleep(1)
+        else:
+            pytest.fail(f"the Ray Serve app did not start: {serve.status()}")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        try:
+            serve.shutdown()                     # replicas' __del__ stop their tritonservers
+        finally:
+            ray.shutdown()
+            # Ray does not always run a replica's __del__ (killed, replaced): its server dies with
+            # it, its workdir stays; remove this run's.
+            for d in pathlib.Path(tempfile.gettempdir()).glob("tllm-replica-*"):
+                if d.stat().st_mtime >= started:
+                    shutil.rmtree(d, ignore_errors=True)
