@@ -28,8 +28,10 @@ class EngineArgs:
     num_threads: int | None = None                # torch intra-op threads on CPU
     stream_interval: float = 0.0                  # serving: seconds the response thread gathers a
                                                   # stream's tokens into one response (0 = each step)
-    busy_stream_interval: float = 0.0             # serving: the same, only while >= 16 requests are open
-                                                  # (fewer responses per token under load; 0 = off)
+    busy_stream_interval: float = 0.05            # serving: while >= 16 requests are open, a stream's tokens
+                                                  # that come < this many seconds after its last send go
+                                                  # with its next response (fewer responses per token
+                                                  # under load; per choice; 0 = off; response_thread.py)
     speculative_config: str | dict | None = None  # vLLM's spelling, JSON text or a dict (backend/spec/config.py)
     # Hardening (issue 19; backend/engine/fairness.py, docs/serving.md "Tenants and trust"):
     max_running_per_tenant: int = 0               # sequences one tenant may run at once (0 = no limit)
