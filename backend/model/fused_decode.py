@@ -38,6 +38,7 @@ from backend.model.llama import Linear, LlamaForCausalLM
 
 log = logging.getLogger("triton_llm.model")
 MAX_TOKENS = 8192  # steps with a prefill chunk: fused up to this many new tokens (faster up to 2048 measured, docs/kernels.md)
+QUANT_MAX_TOKENS = 192  # int8/int4 projections: past this the torch path (dequantize + MKL) is faster
 KEEP_ROWS = 256    # the decoder keeps its scratch for steps up to this many tokens; larger ones get their own
 GEMM_MIN_M = 64    # measured on a Zen 3 core: the C tiles beat MKL up to at least M = 32 (docs/kernels.md)
 _P, _I = ctypes.c_void_p, ctypes.c_int64
@@ -156,6 +157,7 @@ class FusedDecoder:
             quant = dict(qw=ctypes.cast(self._qw, _P), w8=w8, w4=w4,
                          head_q=None if head is None else ctypes.cast(ctypes.pointer(self._head_q), _P))
             self._quant_mods = [*projs, head]                 # keep their tensors alive with us
+        self.quantized = bool(quant) and any(_is_quant(p) for p in projs)
         self._struct = _Model(
             num_layers=cfg.num_layers, hidden=cfg.hidden_size, num_heads=cfg.num_heads,
             num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, inter=cfg.intermediate_size,
@@ -172,8 +174,13 @@ class FusedDecoder:
 
     def accepts(self, num_tokens: int, num_seqs: int) -> bool:
         """Every all-decode step (each sequence brings one token); a step with prefill chunks
-        (mixed or prefill-only) when its new tokens are at most :attr:`max_tokens`."""
-        return num_tokens == num_seqs or num_tokens <= self.max_tokens
+        (mixed or prefill-only) when its new tokens are at most :attr:`max_tokens` -- for a model
+        with int8/int4 projections at most QUANT_MAX_TOKENS: past that, the torch path's
+        dequantize + MKL sgemm beats the quant library's GEMM (SmolLM2 int8 prefill, one thread:
+        fused 1.16x at 136 tokens, 1.04x at 192, 0.79x at 512)."""
+        if num_tokens == num_seqs:
+            return True
+        return num_tokens <= (min(self.max_tokens, QUANT_MAX_TOKENS) if self.quantized else self.max_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                 block_tables: torch.Tensor, seq_lens: torch.Tensor, logits_indices: torch.Tensor,
