@@ -211,3 +211,15 @@ def start_serve(args: list[str], *, timeout: float = 180, env: dict | None = Non
             pytest.fail(f"serve did not come up:\n{''.join(lines)}")
         time.sleep(0.2)
     return proc, lines
+
+
+def reap_serve(proc, workdir) -> None:
+    """After a ``start_serve`` test: kill the process if it still runs, then assert nothing that
+    ran in ``workdir`` is left behind."""
+    import subprocess
+
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    left = subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True, text=True).stdout.split()
+    assert left == [], f"processes left behind: {left}"

@@ -49,3 +49,24 @@ def serve_app(cfg, name: str, *, num_cpus: int = 4, start_timeout: float = 300):
             for d in pathlib.Path(tempfile.gettempdir()).glob("tllm-replica-*"):
                 if d.stat().st_mtime >= started:
                     shutil.rmtree(d, ignore_errors=True)
+
+
+def replica_tritonservers() -> list[dict]:
+    """The live tritonservers of Ray replicas (backend/scale/replica.py names a replica's workdir
+    ``tllm-replica-<id>-...``): [{"pid", "repo", "metrics_port"}]."""
+    import os
+
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if not cmd or not cmd[0].endswith("tritonserver"):
+            continue
+        repo = next((c.split("=", 1)[1] for c in cmd if c.startswith("--model-repository=")), "")
+        if "tllm-replica-" not in repo:
+            continue
+        port = next(int(c.split("=")[1]) for c in cmd if c.startswith("--metrics-port="))
+        out.append({"pid": int(pid), "repo": repo, "metrics_port": port})
+    return out

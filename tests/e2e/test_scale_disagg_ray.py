@@ -23,7 +23,7 @@ pytestmark = pytest.mark.e2e
 ray = pytest.importorskip("ray")
 
 from tests.conftest import E2E_ENGINE_OPTIONS, model_dir  # noqa: E402
-from tests.e2e.ray_app import serve_app  # noqa: E402
+from tests.e2e.ray_app import replica_tritonservers, serve_app  # noqa: E402
 
 APP = "tllm-pd"
 
@@ -69,26 +69,14 @@ def _sse_text(base: str, body: dict) -> str:
 
 
 def _role_metric(role: str, name: str, **labels) -> float:
-    """Sum of ``name`` over the live tritonservers of ``role`` (their engine options say it)."""
-    import os
-
+    """Sum of ``name`` over the live replica tritonservers of ``role`` (their engine options say it)."""
     total = 0.0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmd = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        if not cmd or not cmd[0].endswith("tritonserver"):
-            continue
-        repo = next((c.split("=", 1)[1] for c in cmd if c.startswith("--model-repository=")), "")
-        if "tllm-replica-" not in repo:
-            continue
-        config = pathlib.Path(repo, "engine", "config.pbtxt")
+    for srv in replica_tritonservers():
+        config = pathlib.Path(srv["repo"], "engine", "config.pbtxt")
         if not config.exists() or not re.search(r'key:\s*"role",?\s*value:\s*\{\s*string_value:\s*"'
                                                  + role + '"', config.read_text()):
             continue
-        port = next(int(c.split("=")[1]) for c in cmd if c.startswith("--metrics-port="))
-        for line in _get(f"http://127.0.0.1:{port}/metrics").splitlines():
+        for line in _get(f"http://127.0.0.1:{srv['metrics_port']}/metrics").splitlines():
             if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
                 total += float(line.rsplit(" ", 1)[1])
     return total

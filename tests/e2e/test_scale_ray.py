@@ -17,7 +17,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import pathlib
 import signal
 import socket
 import threading
@@ -30,7 +29,7 @@ pytestmark = pytest.mark.e2e
 ray = pytest.importorskip("ray")
 
 from tests.conftest import E2E_ENGINE_OPTIONS, model_dir  # noqa: E402
-from tests.e2e.ray_app import serve_app  # noqa: E402
+from tests.e2e.ray_app import replica_tritonservers, serve_app  # noqa: E402
 
 APP = "tllm"
 FALLBACK_MAX_ONGOING = 4            # primary ongoing requests per replica past which it is saturated
@@ -46,18 +45,10 @@ def _replica_servers() -> dict[str, dict]:
              if a["name"].startswith(f"SERVE_REPLICA::{APP}#TritonReplica#")]
     alive = {n.rsplit("#", 1)[1] for n in names}
     out = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmd = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        if not cmd or not cmd[0].endswith("tritonserver"):
-            continue
-        repo = next((c for c in cmd if c.startswith("--model-repository=")), "")
-        rid = next((r for r in alive if f"tllm-replica-{r}-" in repo), None)
+    for srv in replica_tritonservers():
+        rid = next((r for r in alive if f"tllm-replica-{r}-" in srv["repo"]), None)
         if rid is not None:
-            port = next(int(c.split("=")[1]) for c in cmd if c.startswith("--metrics-port="))
-            out[rid] = {"server_pid": int(pid), "metrics_port": port}
+            out[rid] = {"server_pid": srv["pid"], "metrics_port": srv["metrics_port"]}
     return out
 
 

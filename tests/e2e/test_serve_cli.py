@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import signal
-import subprocess
 import time
 import uuid
 
@@ -10,7 +9,7 @@ import pytest
 
 from backend.serving.launcher import free_port
 from tests.conftest import model_dir
-from tests.e2e.helpers import Result, Stream, make_inputs, start_serve
+from tests.e2e.helpers import Result, Stream, make_inputs, reap_serve, start_serve
 
 pytestmark = pytest.mark.e2e
 
@@ -45,11 +44,7 @@ def test_serve_prints_endpoints_and_drains_on_sigterm(tmp_path):
         assert proc.wait(timeout=60) == 0
         assert time.monotonic() - t0 < 45
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    left = subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True, text=True).stdout.split()
-    assert left == [], f"processes left behind: {left}"
+        reap_serve(proc, workdir)
 
 
 def test_serve_disagg_serves_a_stream_and_drains_it_on_sigterm(tmp_path):
@@ -91,8 +86,4 @@ def test_serve_disagg_serves_a_stream_and_drains_it_on_sigterm(tmp_path):
         assert proc.wait(timeout=60) == 0
         assert time.monotonic() - t0 < 45
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    left = subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True, text=True).stdout.split()
-    assert left == [], f"processes left behind: {left}"
+        reap_serve(proc, workdir)
