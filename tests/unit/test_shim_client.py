@@ -147,17 +147,19 @@ def test_stream_ends_when_every_choice_finished_without_waiting_for_final():
     assert aborts(client) == []                              # finished: nothing to abort
 
 
-def test_early_exit_cancels_stream_and_sends_explicit_abort():
-    async def go():
-        client = make_client([(result(0, "a"), None), (result(0, "b"), None)])
-        agen = client.generate(messages=[{"role": "user", "content": "x"}], request_id="r2", params={})
-        async for _ in agen:
-            break
-        await agen.aclose()
-        await client.wait_aborts()
-        return client
+async def _leave_after_first_chunk(client, **kw):
+    """Read one chunk of a generation, leave the stream, wait for the spawned abort(s)."""
+    agen = client.generate(**kw)
+    async for _ in agen:
+        break
+    await agen.aclose()
+    await client.wait_aborts()
+    return client
 
-    client = run(go())
+
+def test_early_exit_cancels_stream_and_sends_explicit_abort():
+    client = run(_leave_after_first_chunk(make_client([(result(0, "a"), None), (result(0, "b"), None)]),
+                                          messages=[{"role": "user", "content": "x"}], request_id="r2", params={}))
     assert client._grpc.calls[0].cancelled
     assert aborts(client) == ["r2"]
     abort_req = client._grpc.calls[1].first
@@ -190,12 +192,7 @@ def test_a_failed_abort_is_sent_once_more(monkeypatch):
             return real(requests)
 
         grpc.stream_infer = stream_infer
-        agen = client.generate(prompt="p", request_id="r-retry", params={})
-        async for _ in agen:
-            break
-        await agen.aclose()
-        await client.wait_aborts()
-        return client
+        return await _leave_after_first_chunk(client, prompt="p", request_id="r-retry", params={})
 
     client = run(go())
     assert len(client._grpc.calls) == 3                      # the stream, a failed abort, the retry
@@ -204,16 +201,8 @@ def test_a_failed_abort_is_sent_once_more(monkeypatch):
 
 def test_explicit_abort_carries_the_streams_tenant():
     """The engine aborts only a request of the caller's own tenant, so the abort must say which."""
-    async def go():
-        client = make_client([(result(0, "a"), None), (result(0, "b"), None)])
-        agen = client.generate(prompt="p", request_id="r-t", params={"tenant": "acme"})
-        async for _ in agen:
-            break
-        await agen.aclose()
-        await client.wait_aborts()
-        return client
-
-    client = run(go())
+    client = run(_leave_after_first_chunk(make_client([(result(0, "a"), None), (result(0, "b"), None)]),
+                                          prompt="p", request_id="r-t", params={"tenant": "acme"}))
     assert aborts(client) == ["r-t"]
     assert client._grpc.calls[1].first["parameters"] == {"abort_request_id": "r-t", "tenant": "acme"}
 
