@@ -157,7 +157,7 @@ class FusedDecoder:
             quant = dict(qw=ctypes.cast(self._qw, _P), w8=w8, w4=w4,
                          head_q=None if head is None else ctypes.cast(ctypes.pointer(self._head_q), _P))
             self._quant_mods = [*projs, head]                 # keep their tensors alive with us
-        self.quantized = bool(quant) and any(_is_quant(p) for p in projs)
+        self.quantized = any(_is_quant(p) for p in projs)     # int8/int4 projections (not just the head)
         self._struct = _Model(
             num_layers=cfg.num_layers, hidden=cfg.hidden_size, num_heads=cfg.num_heads,
             num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, inter=cfg.intermediate_size,
