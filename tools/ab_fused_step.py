@@ -50,10 +50,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--cases", default="tail,prefill,mixed,decode")
+    ap.add_argument("--quantization", default="none", help="none | int8 | int4 (weight-only, both sides)")
     ap.add_argument("--prefill-lens", default="16,64,136,256,512", help="prompt lengths of the prefill case")
     a = ap.parse_args()
     rng = random.Random(0)
-    runner = ModelRunner(a.model_dir, EngineArgs(block_size=BS, num_kv_blocks=2048, num_threads=a.threads))
+    runner = ModelRunner(a.model_dir, EngineArgs(block_size=BS, num_kv_blocks=2048, num_threads=a.threads,
+                                                 quantization=a.quantization))
     fused = runner.fused
     if fused is None:
         raise SystemExit("the fused step is not available for this model/setup")
