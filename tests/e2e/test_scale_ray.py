@@ -226,24 +226,43 @@ def _conv(i: int, tag: str, max_tokens: int) -> dict:
                                            {"role": "user", "content": f"Tell me about item {i}."}]}
 
 
-def _hold(base: str, body: dict, rec: dict) -> None:
-    """A non-streaming request kept open (cheap for the ingress: one response); the main thread
-    hangs it up with ``rec["conn"].sock.shutdown``."""
+def _hold(base: str, body: dict, rec: dict, stop: threading.Event) -> None:
+    """Non-streaming requests kept open one after another until ``stop`` (cheap for the ingress: one
+    response each), so the primary stays saturated however fast the engine finishes a request; the
+    main thread sets ``stop`` and hangs the open one up with ``rec["conn"].sock.shutdown``."""
     host, port = base.rsplit("/", 1)[1].split(":")
-    conn = rec["conn"] = http.client.HTTPConnection(host, int(port), timeout=120)
-    try:
-        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
-        rec["status"] = conn.getresponse().status
-    except OSError as exc:
-        rec["status"] = f"closed: {type(exc).__name__}"
-    finally:
-        rec["ended"] = time.monotonic()
+    rec["done"] = 0
+    while not stop.is_set():
+        conn = rec["conn"] = http.client.HTTPConnection(host, int(port), timeout=120)
+        try:
+            conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+            rec["status"] = conn.getresponse().status
+            rec["done"] += 1
+        except OSError as exc:
+            rec["status"] = f"closed: {type(exc).__name__}"
+        finally:
+            conn.close()
+
+
+def _hang_up(holds: list[dict], stop: threading.Event, threads: list[threading.Thread]) -> None:
+    stop.set()
+    deadline = time.monotonic() + 30
+    while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+        for h in holds:
+            conn = h.get("conn")
+            if conn is not None and conn.sock is not None:
+                try:
+                    conn.sock.shutdown(socket.SHUT_RDWR)   # hang up: the shim aborts it
+                except OSError:
+                    pass
+        for t in threads:
+            t.join(0.2)
 
 
 def test_a_saturated_primary_degrades_only_requests_that_opt_in(scaled):
-    # 12 long requests open on 2 replicas: 6 per replica > FALLBACK_MAX_ONGOING saturates the primary
-    holds = [{} for _ in range(12)]
-    threads = [threading.Thread(target=_hold, args=(scaled, {**_conv(i, "Saturating", 900), "stream": False}, h),
+    # 16 long requests kept open on 2 replicas: 8 per replica > FALLBACK_MAX_ONGOING saturates the primary
+    holds, stop = [{} for _ in range(16)], threading.Event()
+    threads = [threading.Thread(target=_hold, args=(scaled, {**_conv(i, "Saturating", 900), "stream": False}, h, stop),
                                 daemon=True) for i, h in enumerate(holds)]
     for t in threads:
         t.start()
@@ -274,16 +293,12 @@ def test_a_saturated_primary_degrades_only_requests_that_opt_in(scaled):
         stats = _stats(scaled)
         assert stats["fallbacks"].get("primary_saturated", 0) - before == 4
         assert stats["running_primaries"] == 2             # read from Serve's status in the ingress
-        assert not any("ended" in h for h in holds), holds      # the primary stayed saturated throughout
+        assert all(h.get("status", 200) == 200 for h in holds), holds   # no saturating request failed
         print("degradation:", json.dumps({"fallback_s": [round(d[0], 2) for d in degraded],
-                                          "primary_not_opted_in_s": round(waited, 2)}))
+                                          "primary_not_opted_in_s": round(waited, 2),
+                                          "saturating_requests_completed": sum(h["done"] for h in holds)}))
     finally:
-        for h in holds:
-            conn = h.get("conn")
-            if conn is not None and conn.sock is not None:
-                conn.sock.shutdown(socket.SHUT_RDWR)           # hang up: the shim aborts them
-        for t in threads:
-            t.join(30)
+        _hang_up(holds, stop, threads)
     _wait(lambda: _stats(scaled)["ongoing_primary"] == 0, 30, "the hung-up requests to close", 0.5)
     out = _post(scaled, {"model": "tiny", "max_tokens": 4, "temperature": 0,
                          "messages": [{"role": "user", "content": "calm again"}]},
