@@ -23,6 +23,10 @@ from dataclasses import dataclass
 
 CONTAINER_TRITONSERVER = pathlib.Path("/opt/tritonserver/bin/tritonserver")
 STUB = "triton_python_backend_stub"
+# This interpreter's libpython directory, read once at import: Python 3.11's sysconfig fills its
+# config vars lazily without a lock, so two threads starting servers at once (serve --disagg) could
+# read LIBDIR as None, and that server's stubs then loaded the system libpython (issue 21's bug).
+LIBDIR = sysconfig.get_config_var("LIBDIR") or str(pathlib.Path(sys.base_prefix) / "lib")
 
 
 @dataclass
@@ -94,9 +98,7 @@ def server_env(install: TritonInstall, base: dict[str, str] | None = None) -> di
         for d in (site / "nvidia_pytriton.libs", install.wheel_root / "external_libs"):
             if d.is_dir():
                 libs.append(str(d))
-    libdir = sysconfig.get_config_var("LIBDIR")
-    if libdir:
-        libs.append(libdir)
+    libs.append(LIBDIR)
     if env.get("LD_LIBRARY_PATH"):
         libs.append(env["LD_LIBRARY_PATH"])
     env["LD_LIBRARY_PATH"] = os.pathsep.join(libs)

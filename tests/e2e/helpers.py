@@ -184,28 +184,10 @@ def wait_metric(server, pred, timeout: float = 1.0, interval: float = 0.05) -> t
         time.sleep(interval)
 
 
-def start_serve(args: list[str], *, timeout: float = 180, env: dict | None = None, attempts: int = 2):
+def start_serve(args: list[str], *, timeout: float = 180, env: dict | None = None):
     """``python -m backend.cli serve ARGS`` from the project root, its output collected line by line;
     returns (process, lines) once it printed "Ctrl-C to stop" (fails the test with the output if
-    it exits or takes longer than ``timeout``). The caller stops it.
-
-    A serve that exits before it is ready is started once more (``attempts``): once in four CI
-    runs a ``serve --disagg`` server's Python stubs loaded the system libpython instead of the
-    venv's (``_ssl``: undefined symbol ``_PyModule_Add``), an open start-up bug of the two-server
-    launch recorded in issue 21's note; the retry keeps that flake from hiding what these tests check."""
-    for attempt in range(attempts):
-        try:
-            return _start_serve_once(args, timeout=timeout, env=env, last=attempt + 1 == attempts)
-        except _ServeExited:
-            continue
-    raise AssertionError("unreachable")
-
-
-class _ServeExited(Exception):
-    pass
-
-
-def _start_serve_once(args: list[str], *, timeout: float, env: dict | None, last: bool):
+    it exits or takes longer than ``timeout``). The caller stops it."""
     import os
     import subprocess
     import sys
@@ -223,13 +205,9 @@ def _start_serve_once(args: list[str], *, timeout: float, env: dict | None, last
     deadline = time.monotonic() + timeout
     while not any("Ctrl-C to stop" in line for line in lines):
         if proc.poll() is not None or time.monotonic() > deadline:
-            exited = proc.poll() is not None
-            if not exited:
+            if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-            if exited and not last:
-                print(f"serve exited before it was ready; starting it once more:\n{''.join(lines)[-2000:]}")
-                raise _ServeExited()
             pytest.fail(f"serve did not come up:\n{''.join(lines)}")
         time.sleep(0.2)
     return proc, lines
