@@ -2,7 +2,8 @@
 
     python -m load.bench_quant quality [--model models/default] [--methods none int8 int4 int4@128]
     python -m load.bench_quant speed   [--model models/default] [--streams 1 16] [--tokens 64]
-    python -m load.bench_quant kernels          # one GEMM: fp32 F.linear vs our C vs torch packed
+    python -m load.bench_quant kernels [--threads 1] [--ms 1 16] [--shapes 576x576]   # one GEMM per kernel
+    python -m load.bench_quant step [--batch 2 4 8 16] [--prefill 64 192 512]  # the model's step
 
 quality: perplexity on the English (ASCII) lines of backend/assets/corpus.txt (fixed since the
 foundation commit; windows of 512 tokens, every token scored), and greedy agreement with fp32 over
@@ -147,12 +148,22 @@ def speed(a) -> list[dict]:
 
 
 def kernels(a) -> list[dict]:
+    """One GEMM per shape and M, µs per call (best of 5 rounds): fp32 ``F.linear`` (MKL), int8
+    dequantize + ``F.linear`` (``blas``), the int8 weight-only C loops (``f32a``), int8 x int16
+    activations (``a16``), and int4's C loops; ``--torch-packed`` adds torch's int8/int4 packed
+    kernels (slow on this AVX2 torch, docs/quantization.md). Default shapes: SmolLM2-135M's
+    projections (qkv split as 576 x 576 q and 192 x 576 k/v, gate/up 1536 x 576, down 576 x 1536) and
+    its 49152 x 576 lm_head. The weight stays in cache between calls (except the lm_head), so this
+    is each kernel's arithmetic rate; the model's step (``step``) is the end-to-end check."""
     import torch.nn.functional as F
 
     from backend.quant import cpu, layout
 
-    def bench(fn, n=20, rounds=5):
+    def bench(fn, rounds=5):
         fn()
+        t0 = time.perf_counter()
+        fn()
+        n = max(1, min(20, int(0.05 / max(time.perf_counter() - t0, 1e-6))))
         best = float("inf")
         for _ in range(rounds):                  # best of rounds: robust to a contended host
             t0 = time.perf_counter()
@@ -161,25 +172,91 @@ def kernels(a) -> list[dict]:
             best = min(best, (time.perf_counter() - t0) / n * 1e6)
         return best
 
+    shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes]
     rows = []
-    for n_out, k in ((960, 576), (3072, 576), (576, 1536)):
+    for n_out, k in shapes:
         w = torch.randn(n_out, k)
         q8, q4 = layout.quantize(w, "int8", 32), layout.quantize(w, "int4", 32)
-        i8 = q8.qweight
-        s8 = q8.scales.float().flatten()
-        w4 = torch.randint(0, 16, (n_out, k), dtype=torch.int32)
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w4, 1)
-        sz = torch.rand(k // 64, n_out, 2)
-        for m in (1, 16):
+        for m in a.ms:
+            if n_out * m > 49152 * 64:
+                continue
             x = torch.randn(m, k)
-            xb = x.bfloat16()
-            rows.append({"N": n_out, "K": k, "M": m,
-                         "fp32_linear_us": bench(lambda: F.linear(x, w)),
-                         "c_int8_us": bench(lambda: cpu.gemm(x, "int8", q8.qweight, q8.scales, None, q8.group_size, k, None)),
-                         "c_int4_us": bench(lambda: cpu.gemm(x, "int4", q4.qweight, q4.scales, q4.zeros, 32, k, None)),
-                         "torch_int8pack_us": bench(lambda: torch._weight_int8pack_mm(x, i8, s8)),
-                         "torch_int4pack_fp32_us": bench(lambda: torch._weight_int4pack_mm_for_cpu(x, packed, 64, sz)),
-                         "torch_int4pack_bf16_us": bench(lambda: torch._weight_int4pack_mm_for_cpu(xb, packed, 64, sz.bfloat16()))})
+            g8 = lambda kern: bench(lambda: cpu.gemm(x, "int8", q8.qweight, q8.scales, None, k, k, None, kernel=kern))  # noqa: E731
+            r = {"N": n_out, "K": k, "M": m, "fp32_linear_us": bench(lambda: F.linear(x, w)),
+                 "int8_blas_us": g8("blas"), "int8_f32a_us": g8("f32a"), "int8_a16_us": g8("a16"),
+                 "int4_c_us": bench(lambda: cpu.gemm(x, "int4", q4.qweight, q4.scales, q4.zeros, 32, k, None))}
+            r["a16_vs_f32a"] = r["int8_f32a_us"] / r["int8_a16_us"]
+            r["a16_vs_fp32"] = r["fp32_linear_us"] / r["int8_a16_us"]
+            if a.torch_packed:
+                i8, s8 = q8.qweight, q8.scales.float().flatten()
+                packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                    torch.randint(0, 16, (n_out, k), dtype=torch.int32), 1)
+                sz = torch.rand(k // 64, n_out, 2)
+                r["torch_int8pack_us"] = bench(lambda: torch._weight_int8pack_mm(x, i8, s8))
+                r["torch_int4pack_fp32_us"] = bench(lambda: torch._weight_int4pack_mm_for_cpu(x, packed, 64, sz))
+            rows.append(r)
+            print(r, flush=True)
+    return rows
+
+
+def step(a) -> list[dict]:
+    """The real model's step, fp32 vs int8 with int16 activations (``a16``) vs int8 weight-only
+    (``f32a``), in one process: decode steps at each ``--batch`` (M = batch rows per projection)
+    and single-sequence prefill chunks of each ``--prefill`` length, variants round-robin (the int8
+    variants share one runner: the C library's w8_set_a16_min_m switches them), best process CPU
+    time of ``--rounds``."""
+    import random
+
+    from backend.config import EngineArgs
+    from backend.model.batch_builder import SeqChunk, build_batch
+    from backend.model.runner import ModelRunner
+    from backend.quant import cpu
+
+    lib, bs, ctx = cpu.library(), 16, a.context
+    longest = max([*a.prefill, ctx + a.rounds + 2])
+    per_seq = -(-longest // bs) + 1
+    nseq = max(a.batch)
+    args = dict(block_size=bs, num_kv_blocks=nseq * per_seq, num_threads=a.threads or 1)
+    fp32 = ModelRunner(a.model, EngineArgs(**args))
+    q8 = ModelRunner(a.model, EngineArgs(quantization="int8", quant_lm_head=a.head, **args))
+    rng = random.Random(0)
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(nseq)]
+    prompts = [[rng.randrange(fp32.info.vocab_size) for _ in range(longest)] for _ in range(nseq)]
+    variants = {"fp32": (fp32, None), "int8_a16": (q8, cpu.A16_MIN_M), "int8_f32a": (q8, 0)}
+    default = lib.w8_a16_min_m()
+    for r in (fp32, q8):
+        for i in range(0, nseq, 8):
+            r.execute(build_batch([SeqChunk(p[:ctx], 0, t) for p, t in zip(prompts[i:i + 8], tables[i:i + 8])], bs))
+    jobs = [("decode", b) for b in a.batch] + [("prefill", n) for n in a.prefill]
+    rows = []
+    try:
+        for kind, size in jobs:
+            if kind == "decode":
+                batch = build_batch([SeqChunk([p[ctx]], ctx, t) for p, t in zip(prompts[:size], tables)], bs)
+            else:
+                batch = build_batch([SeqChunk(prompts[0][:size], 0, tables[0])], bs)
+            best, fused = {}, {}
+            for rnd in range(a.rounds + 1):                  # round 0: warm-up
+                for name, (r, min_m) in variants.items():
+                    if min_m is not None:
+                        lib.w8_set_a16_min_m(min_m)
+                    c0 = time.process_time()
+                    r.execute(batch)
+                    c = time.process_time() - c0
+                    if rnd:
+                        best[name] = min(c, best.get(name, float("inf")))
+                    fused[name] = r.fused is not None and r.fused.accepts(batch.input_ids.shape[0], batch.seq_lens.shape[0])
+            row = {"step": kind, "tokens": size}
+            for name in variants:
+                row[f"{name}_ms"] = 1e3 * best[name]
+            row["a16_vs_f32a"] = best["int8_f32a"] / best["int8_a16"]
+            row["a16_vs_fp32"] = best["fp32"] / best["int8_a16"]
+            row["f32a_vs_fp32"] = best["fp32"] / best["int8_f32a"]
+            row["int8_fused"] = fused["int8_a16"]
+            rows.append(row)
+            print(row, flush=True)
+    finally:
+        lib.w8_set_a16_min_m(default)
     return rows
 
 
@@ -192,11 +269,19 @@ def markdown(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=("quality", "speed", "kernels"))
+    ap.add_argument("what", choices=("quality", "speed", "kernels", "step"))
     ap.add_argument("--model", default=str(ROOT / "models" / "default"))
     ap.add_argument("--methods", nargs="+", default=None)
     ap.add_argument("--streams", nargs="+", type=int, default=[1, 16])
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--batch", nargs="+", type=int, default=[2, 4, 8, 16], help="step: decode batches")
+    ap.add_argument("--prefill", nargs="+", type=int, default=[64, 192, 512], help="step: prefill lengths")
+    ap.add_argument("--context", type=int, default=128, help="step: decode context")
+    ap.add_argument("--head", action="store_true", help="step: quant_lm_head for the int8 runner")
+    ap.add_argument("--shapes", nargs="+", default=["576x576", "192x576", "1536x576", "576x1536", "49152x576"],
+                    help="kernels: N x K")
+    ap.add_argument("--ms", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32, 64, 128, 512], help="kernels: M")
+    ap.add_argument("--torch-packed", action="store_true", help="kernels: torch's packed int8/int4 too")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", default=None)
@@ -205,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(a.threads)
     if a.methods is None:
         a.methods = ["none", "int8", "int4"] if a.what == "quality" else ["none", "none:bfloat16", "int8", "int4"]
-    rows = {"quality": quality, "speed": speed, "kernels": kernels}[a.what](a)
+    rows = {"quality": quality, "speed": speed, "kernels": kernels, "step": step}[a.what](a)
     print(markdown(rows))
     if a.json:
         pathlib.Path(a.json).write_text(json.dumps(rows, indent=2) + "\n")

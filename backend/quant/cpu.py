@@ -5,9 +5,19 @@ with fp32 activations runs ~10x slower than fp32 ``F.linear`` at M = 1 and 16, a
 ``torch._weight_int4pack_mm_for_cpu`` is slower still in fp32 and only matches fp32 in bf16
 (numbers in docs/quantization.md, ``python -m load.bench_quant --kernels``).
 
-Decode-sized calls (M <= ``SMALL_M``) run the C kernel, bound by weight bytes. Larger calls
-(prefill chunks) dequantize the weight into an fp32 scratch once and call BLAS: there the GEMM is
-compute-bound and the N*K dequantization is small next to M*N*K multiply-adds.
+int8, per output channel (the ``quantization=int8`` default), with at least ``A16_MIN_M`` rows:
+``w8_gemm`` quantizes each activation row to int16 (one scale per row) and multiplies int8 x int16
+with vpmaddwd, exact int32 sums (csrc/quant_cpu.c, "int8 weights x int16 activations"): 1.2-1.3x
+the weight-only loops on SmolLM2 decode steps of 8-32 rows and 1.5-1.9x on prefill chunks, for
+an activation rounding of at most max|x[m]| / (2 Q) per element, Q = min(32767, (2^31 - 1) /
+(127 K)) (bound and measurements in docs/quantization.md). ``TRITON_LLM_INT8_ACT=fp32`` turns it off
+(weight-only numerics for every M). This covers the fused decode step too, which calls ``w8_gemm``.
+
+Fewer rows (decode at 1-7 streams), int8 with groups (GGUF Q8_0, G = 32) and int4: the weight-only
+C loops for M <= ``SMALL_M`` (bound by weight bytes); above it the weight is dequantized into an
+fp32 scratch once and BLAS runs: there the GEMM is compute-bound and the N*K dequantization is
+small next to M*N*K multiply-adds. Per-channel int8 keeps the int16 kernel for every M > SMALL_M
+too (it beat dequantize + MKL up to the 512-token prefill measured).
 ``None`` from :func:`library` (no compiler, ``TRITON_LLM_CPU_KERNELS=0``) means the torch path
 (dequantize + F.linear) for every call.
 """
@@ -24,6 +34,7 @@ import torch.nn.functional as F
 SOURCE = pathlib.Path(__file__).with_name("csrc") / "quant_cpu.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 SMALL_M = 32
+A16_MIN_M = 8         # int8: int16 activations from this many rows on (csrc: w8_gemm -> w8_gemm_a16)
 _P, _I, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 
@@ -37,13 +48,28 @@ def library():
     if path is None:
         return None
     lib = ctypes.CDLL(str(path))
-    lib.w8_gemm.argtypes = [_P, _I, _I, _I, _P, _P, _I, _P, _I, _P, _I, _C]
+    for fn in (lib.w8_gemm, lib.w8_gemm_f32a, lib.w8_gemm_a16):
+        fn.argtypes = [_P, _I, _I, _I, _P, _P, _I, _P, _I, _P, _I, _C]
+        fn.restype = None
+    lib.w8_set_a16_min_m.argtypes, lib.w8_set_a16_min_m.restype = [_I], None
+    lib.w8_a16_min_m.argtypes, lib.w8_a16_min_m.restype = [], _I
+    lib.w8_set_a16_min_m(A16_MIN_M if int8_activations() == "int16" else 0)
     lib.w4_gemm.argtypes = [_P, _I, _I, _I, _P, _P, _P, _I, _P, _I, _P, _I, _C]
     lib.w8_dequant.argtypes = [_P, _P, _I, _I, _I, _P, _C]
     lib.w4_dequant.argtypes = [_P, _P, _P, _I, _I, _I, _P, _C]
     for fn in (lib.w8_gemm, lib.w4_gemm, lib.w8_dequant, lib.w4_dequant):
         fn.restype = None
     return lib
+
+
+def int8_activations() -> str:
+    """``TRITON_LLM_INT8_ACT``: ``int16`` (default: int8 GEMMs with M >= A16_MIN_M quantize each
+    activation row to int16, error bound in docs/quantization.md) or ``fp32`` (weight-only for
+    every M, the reference numerics)."""
+    v = os.environ.get("TRITON_LLM_INT8_ACT", "int16").lower()
+    if v not in ("int16", "fp32"):
+        raise ValueError(f"TRITON_LLM_INT8_ACT must be int16 or fp32 (got {v!r})")
+    return v
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -64,18 +90,24 @@ def dequantize(method: str, qweight, scales, zeros, group_size: int, k: int) -> 
 
 
 def gemm(x: torch.Tensor, method: str, qweight, scales, zeros, group_size: int, k: int,
-         bias: torch.Tensor | None) -> torch.Tensor:
-    """x fp32 [M, K] (unit last stride) -> fp32 [M, N]."""
+         bias: torch.Tensor | None, kernel: str | None = None) -> torch.Tensor:
+    """x fp32 [M, K] (unit last stride) -> fp32 [M, N]. ``kernel`` (benchmarks, tests): ``blas``
+    (dequantize + F.linear), ``f32a`` (int8 weight-only C loops), ``a16`` (int8 x int16
+    activations), ``c`` (w8_gemm / w4_gemm, which pick by M); None: the routing below."""
     m, n = x.shape[0], qweight.shape[0]
-    if m > SMALL_M:
+    if kernel is None:
+        a16 = method == "int8" and group_size >= k and library().w8_a16_min_m() > 0
+        kernel = "c" if m <= SMALL_M or a16 else "blas"
+    if kernel == "blas":
         return F.linear(x, dequantize(method, qweight, scales, zeros, group_size, k), bias)
     if x.stride(1) != 1:
         x = x.contiguous()
     y = torch.empty(m, n, dtype=torch.float32)
     nt = torch.get_num_threads()
     if method == "int8":
-        library().w8_gemm(x.data_ptr(), m, k, x.stride(0), qweight.data_ptr(), scales.data_ptr(),
-                          group_size, _ptr(bias), n, y.data_ptr(), n, nt)
+        fn = {"c": library().w8_gemm, "f32a": library().w8_gemm_f32a, "a16": library().w8_gemm_a16}[kernel]
+        fn(x.data_ptr(), m, k, x.stride(0), qweight.data_ptr(), scales.data_ptr(), group_size, _ptr(bias), n,
+           y.data_ptr(), n, nt)
     else:
         library().w4_gemm(x.data_ptr(), m, k, x.stride(0), qweight.data_ptr(), scales.data_ptr(),
                           zeros.data_ptr(), group_size, _ptr(bias), n, y.data_ptr(), n, nt)

@@ -1,9 +1,12 @@
-"""The CPU weight-only GEMMs (backend/quant/csrc/quant_cpu.c) against dequantize-then-matmul.
+"""The CPU quantized GEMMs (backend/quant/csrc/quant_cpu.c) against dequantize-then-matmul.
 
-Tolerance: 1e-5 of max |reference| (fp32 products; only the summation order differs from BLAS).
-Shapes are odd on purpose: K not a multiple of 8, 32 or the group, N not a multiple of anything,
-M = 1 (decode), 2..5, 8, 15, 29 (the 8 / 4 / 1..3-row tiles and their remainders), 300 (prefill:
-dequantize + BLAS).
+Tolerance: 1e-5 of max |reference| for the weight-only loops (fp32 products; only the summation
+order differs from BLAS). int8 per channel from A16_MIN_M rows on quantizes activations to int16
+(one scale per row): there the bound is the rounding of x, per output
+|dy[m, n]| <= sum_k |W[n, k]| * max|x[m]| / (2 Q), Q = min(32767, (2^31 - 1) / (127 K)), plus the
+same 1e-5 for fp32 rounding. Shapes are odd on purpose: K not a multiple of 8, 16, 32 or the group,
+N not a multiple of anything, M = 1 (decode), 2..5, 8, 15, 29 (the 8 / 4 / 1..3-row tiles and their
+remainders), 300 (prefill: dequantize + BLAS, or the int16 kernel for int8 per channel).
 """
 import pytest
 import torch
@@ -17,6 +20,13 @@ SHAPES = [(1, 37, 100), (2, 37, 100), (3, 19, 77), (5, 64, 200), (8, 21, 100), (
           (29, 33, 200), (300, 70, 200)]
 
 
+def a16_bound(x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Per-output bound of int8 x int16-activation GEMMs against fp32 activations (module doc)."""
+    k = x.shape[1]
+    q = min(32767, (2**31 - 1) // (127 * k))
+    return w.abs().sum(1)[None, :] * x.abs().amax(1, keepdim=True) / (2 * q) + 1e-5 * ref.abs().max()
+
+
 @pytest.mark.parametrize("m,n,k", SHAPES)
 @pytest.mark.parametrize("method,group", [("int8", None), ("int8", 32), ("int4", 32), ("int4", 64)])
 def test_cpu_gemm_matches_dequantize_then_matmul(m, n, k, method, group):
@@ -25,7 +35,10 @@ def test_cpu_gemm_matches_dequantize_then_matmul(m, n, k, method, group):
     qw = layout.quantize_int8(w, group) if method == "int8" else layout.quantize_int4(w, group)
     ref = torch.nn.functional.linear(x, layout.dequantize(qw), bias)
     y = cpu.gemm(x, method, qw.qweight, qw.scales, qw.zeros, qw.group_size, k, bias)
-    assert (y - ref).abs().max() <= 1e-5 * ref.abs().max()
+    if method == "int8" and group is None and m >= cpu.A16_MIN_M:      # int16 activations
+        assert ((y - ref).abs() <= a16_bound(x, layout.dequantize(qw), ref)).all()
+    else:
+        assert (y - ref).abs().max() <= 1e-5 * ref.abs().max()
     assert torch.equal(cpu.dequantize(method, qw.qweight, qw.scales, qw.zeros, qw.group_size, k),
                        layout.dequantize(qw))
 
@@ -68,3 +81,56 @@ def test_quant_linear_forward_on_cpu(dtype):
     y = mod.forward(x.to(dtype))
     assert y.dtype == dtype and y.shape == (2, 3, 24)
     assert (y.float() - ref).abs().max() <= (1e-5 if dtype == torch.float32 else 3e-2) * ref.abs().max()
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 5, 16), (4, 9, 100), (8, 21, 100), (13, 40, 576), (64, 30, 1536),
+                                   (9, 7, 9000)])
+def test_int16_activation_kernel_within_its_bound(m, n, k):
+    """w8_gemm_a16 for every M (tiles 4 x 2 and all remainders; K = 9000: Q drops to 1878 so the
+    int32 sums cannot overflow), rows scaled 1e-3..1e3 apart and one all-zero row; the weight-only
+    loops on the same input stay at fp32 accuracy."""
+    torch.manual_seed(k + m)
+    w, x, bias = torch.randn(n, k), torch.randn(m, k), torch.randn(n)
+    x *= torch.logspace(-3, 3, m)[:, None]
+    x[m // 2] = 0
+    qw = layout.quantize_int8(w)
+    dq = layout.dequantize(qw)
+    ref = torch.nn.functional.linear(x, dq, bias)
+    for kernel in ("a16", "f32a", "blas"):
+        y = cpu.gemm(x, "int8", qw.qweight, qw.scales, None, k, k, bias, kernel=kernel)
+        if kernel == "a16":
+            assert ((y - ref).abs() <= a16_bound(x, dq, ref)).all()
+            assert torch.equal(y[m // 2], bias)                  # a zero row: exactly the bias
+        else:
+            assert ((y - ref).abs() <= 1e-5 * ref.abs().amax(1, keepdim=True) + 1e-6).all()
+
+
+def test_int8_routing_and_switch(monkeypatch):
+    """w8_gemm (also what the fused decode step calls) takes int16 activations from A16_MIN_M rows on,
+    for per-channel weights only; TRITON_LLM_INT8_ACT=fp32 keeps the weight-only loops everywhere."""
+    torch.manual_seed(5)
+    k = 200
+    qw, q32 = layout.quantize_int8(torch.randn(30, k)), layout.quantize_int8(torch.randn(30, k), 32)
+    lib = cpu.library()
+    assert lib.w8_a16_min_m() == cpu.A16_MIN_M
+    for m in (cpu.A16_MIN_M - 1, cpu.A16_MIN_M, 40):
+        x = torch.randn(m, k)
+        run = lambda q, kern: cpu.gemm(x, "int8", q.qweight, q.scales, None, q.group_size, k, None, kernel=kern)  # noqa: E731
+        want = "a16" if m >= cpu.A16_MIN_M else "f32a"
+        assert torch.equal(run(qw, None), run(qw, want)) and torch.equal(run(qw, "c"), run(qw, want))
+        assert torch.equal(run(q32, "c"), run(q32, "f32a"))                   # groups: weight-only
+        assert not torch.equal(run(qw, "a16"), run(qw, "f32a"))
+    with pytest.raises(ValueError, match="TRITON_LLM_INT8_ACT"):
+        monkeypatch.setenv("TRITON_LLM_INT8_ACT", "int4")
+        cpu.int8_activations()
+    monkeypatch.setenv("TRITON_LLM_INT8_ACT", "fp32")
+    cpu.library.cache_clear()
+    try:
+        assert cpu.library().w8_a16_min_m() == 0
+        x = torch.randn(16, k)
+        assert torch.equal(cpu.gemm(x, "int8", qw.qweight, qw.scales, None, k, k, None),
+                           cpu.gemm(x, "int8", qw.qweight, qw.scales, None, k, k, None, kernel="f32a"))
+    finally:
+        monkeypatch.delenv("TRITON_LLM_INT8_ACT")
+        cpu.library.cache_clear()
+        assert cpu.library().w8_a16_min_m() == cpu.A16_MIN_M

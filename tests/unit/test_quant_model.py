@@ -97,3 +97,30 @@ def test_gguf_keep_quantized_requantizes_unmapped_projections(tmp_path):
     assert packed.model.model.layers[0].mlp.down_proj.method == "int4"
     a, b = _logits(dense), _logits(packed)
     assert (a - b).abs().max() <= 0.15 * a.abs().max()
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen2"])
+def test_int16_activations_stay_close_to_weight_only(preset):
+    """int8 per channel: GEMMs of at least A16_MIN_M rows quantize activations to int16 (the default,
+    backend/quant/cpu.py). The stated bound on the model: logits within 1e-3 of max |logits| of the
+    weight-only (fp32-activation) reference on the same int8 weights, and the same greedy token
+    wherever the reference's top-2 margin exceeds twice that difference."""
+    from backend.quant import cpu
+
+    lib = cpu.library()
+    if lib is None:
+        pytest.skip("no C compiler: torch fallback only")
+    r = _runner(model_dir(preset), quantization="int8")
+    ids = PROMPT * 4                                          # 48 rows: every GEMM on the int16 kernel
+    try:
+        lib.w8_set_a16_min_m(0)
+        ref = _logits(r, ids)
+    finally:
+        lib.w8_set_a16_min_m(cpu.A16_MIN_M)
+    got = _logits(r, ids)
+    diff = (got - ref).abs().max()
+    assert 0 < diff <= 1e-3 * ref.abs().max()
+    top2 = ref.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * diff
+    assert clear.sum() >= len(ids) // 2
+    assert torch.equal(got.argmax(-1)[clear], ref.argmax(-1)[clear])

@@ -143,8 +143,9 @@ static void w8_pair_4(const float *x, int64_t ldx, const int8_t *w0, const int8_
     }
 }
 
-void w8_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *w, const uint16_t *scales,
-             int64_t G, const float *bias, int64_t N, float *y, int64_t ldy, int nthreads) {
+/* Weight-only path: fp32 activations, weights dequantized in registers (exported for A/B). */
+void w8_gemm_f32a(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *w, const uint16_t *scales,
+                  int64_t G, const float *bias, int64_t N, float *y, int64_t ldy, int nthreads) {
     int64_t ng = (K + G - 1) / G;
     if (M >= 8) {                    /* pairs of weight rows x 4-row tiles; the rest row by row */
         int64_t m4 = M & ~(int64_t)3, np = N / 2;
@@ -193,12 +194,192 @@ void w8_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *w,
     }
 }
 
+/* ---- int8 weights x int16 activations (M >= a16_min_m, per output channel) -------------------
+ *
+ * With several activation rows the weight-only loops above are bound by arithmetic, not by weight
+ * bytes: every weight is converted to fp32 (vpmovsxbd + vcvtdq2ps + scale) and then feeds fp32
+ * FMAs, 8 multiply-adds per instruction. Here each activation row is quantized once per call to
+ * int16 with one scale per row (symmetric, round to nearest: |x - sx * xq| <= sx / 2 with
+ * sx = max|x[m, :]| / Q), the int8 weights are widened to int16 (vpmovsxbw, once per weight vector
+ * and tile) and vpmaddwd does 16 multiply-adds per instruction into int32 lanes, exact.
+ * Q = min(32767, (2^31 - 1) / (127 K)): the whole dot product fits int32 (K = 576: Q = 29357,
+ * K = 1536: 11009), so the 8 sums of a tile reduce with 7 vphaddd. Then y = sum * (sw[n] * sx[m]).
+ *
+ * Measured on Zen 3 (docs/quantization.md, "int8 with int16 activations"): vpmaddwd issues once
+ * per cycle, so the kernel peaks near MKL's fp32 sgemm rate, with no dequantization; int8
+ * activations (llama.cpp's Q8_0 x Q8_0: vpsignb + vpmaddubsw + vpmaddwd per 32 pairs) would take
+ * as many multiplies per pair on this core and round activations 100-250x more coarsely.
+ *
+ * Tile: 4 activation rows x 2 weight rows (8 int32 accumulators, no spills; 4 x 3 spilled under
+ * gcc 12 and 3 x 3, 2 x 4 were slower). Loop order: the 2 weight rows stay in L1 while every
+ * activation tile of a panel (A16_X_BYTES of int16 rows, L2) passes over them, so weights
+ * streaming from memory are read once per panel (decode: once) and each byte feeds M / 4 tiles.
+ * GGUF Q8_0's groups of 32 (G < K) stay on the weight-only loops: a per-group convert + FMA with
+ * the group's scale (tried: 3 x 3 and 4 x 1 tiles) ran at 0.5-0.8x fp32, no better than them.
+ */
+#ifdef __AVX2__
+#define A16_X_BYTES (192 << 10)   /* int16 activation panel kept in L2 while weight rows stream */
+static int64_t a16_min_m = 8;        /* backend/quant/cpu.py sets it at load */
+void w8_set_a16_min_m(int64_t m) { a16_min_m = m; }   /* 0: never (weight-only loops for every M) */
+int64_t w8_a16_min_m(void) { return a16_min_m; }
+
+static inline int64_t a16_q(int64_t K) {     /* |dot| <= K * Q * 127 fits int32 */
+    int64_t q = (int64_t)2147483647 / (127 * (K > 0 ? K : 1));
+    return q < 32767 ? q : q < 1 ? 1 : 32767;
+}
+
+/* x [M, K] -> xq [M, ldq] int16 (tail zeroed), sx[m] = max|x[m]| / Q. */
+static void a16_quantize(const float *x, int64_t ldx, int64_t M, int64_t K, int64_t Q, int16_t *xq,
+                         int64_t ldq, float *sx, int nthreads) {
+    #pragma omp parallel for num_threads(nthreads) schedule(static) if (M * K >= 65536)
+    for (int64_t m = 0; m < M; m++) {
+        const float *r = x + m * ldx;
+        int16_t *q = xq + m * ldq;
+        __m256 mx = _mm256_setzero_ps(), sign = _mm256_set1_ps(-0.0f);
+        int64_t k = 0;
+        for (; k + 8 <= K; k += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(r + k)));
+        float amax = 0.f, t[8];
+        _mm256_storeu_ps(t, mx);
+        for (int j = 0; j < 8; j++) amax = t[j] > amax ? t[j] : amax;
+        for (; k < K; k++) { float a = r[k] < 0 ? -r[k] : r[k]; amax = a > amax ? a : amax; }
+        float s = amax / (float)Q, inv = amax > 0.f ? (float)Q / amax : 0.f;
+        sx[m] = s;
+        __m256 iv = _mm256_set1_ps(inv);
+        for (k = 0; k + 16 <= K; k += 16) {
+            __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(r + k), iv));
+            __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(r + k + 8), iv));
+            _mm256_storeu_si256((__m256i *)(q + k), _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8));
+        }
+        for (; k < K; k++) {
+            float v = r[k] * inv;
+            q[k] = (int16_t)(v >= 0 ? (int32_t)(v + 0.5f) : -(int32_t)(-v + 0.5f));
+        }
+        for (; k < ldq; k++) q[k] = 0;
+    }
+}
+
+static inline double hsum_i32d(__m256i v) {       /* exact: 8 int32 lanes summed in double */
+    __m256d d = _mm256_add_pd(_mm256_cvtepi32_pd(_mm256_castsi256_si128(v)),
+                              _mm256_cvtepi32_pd(_mm256_extracti128_si256(v, 1)));
+    __m128d h = _mm_add_pd(_mm256_castpd256_pd128(d), _mm256_extractf128_pd(d, 1));
+    return _mm_cvtsd_f64(_mm_add_sd(h, _mm_unpackhi_pd(h, h)));
+}
+static inline __m256i ld_w16(const int8_t *p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)); }
+static inline __m256i ld_x16(const int16_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+
+/* 8 int32 vectors -> their 8 horizontal sums, in order. */
+static inline __m256i hsum8_i32(__m256i a0, __m256i a1, __m256i a2, __m256i a3, __m256i a4, __m256i a5,
+                                __m256i a6, __m256i a7) {
+    __m256i b0 = _mm256_hadd_epi32(a0, a1), b1 = _mm256_hadd_epi32(a2, a3);
+    __m256i b2 = _mm256_hadd_epi32(a4, a5), b3 = _mm256_hadd_epi32(a6, a7);
+    __m256i c0 = _mm256_hadd_epi32(b0, b1), c1 = _mm256_hadd_epi32(b2, b3);   /* per 128-bit half */
+    return _mm256_add_epi32(_mm256_permute2x128_si256(c0, c1, 0x20), _mm256_permute2x128_si256(c0, c1, 0x31));
+}
+
+/* Per channel: out[m * NR + n] = sum_k xq[m, k] * w[n, k] (exact, int32 by a16_q's bound). */
+static inline __attribute__((always_inline)) void
+a16_tile_pc(const int16_t *xq, int64_t ldq, const int8_t *w, int64_t K, int MR, int NR, int32_t *out) {
+    __m256i acc[8];
+    for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_si256();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m256i wv[4];
+        for (int n = 0; n < NR; n++) wv[n] = ld_w16(w + n * K + k);
+        for (int m = 0; m < MR; m++) {
+            __m256i xv = ld_x16(xq + m * ldq + k);
+            for (int n = 0; n < NR; n++)
+                acc[m * NR + n] = _mm256_add_epi32(acc[m * NR + n], _mm256_madd_epi16(xv, wv[n]));
+        }
+    }
+    _mm256_storeu_si256((__m256i *)out, hsum8_i32(acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7]));
+    for (; k < K; k++)
+        for (int m = 0; m < MR; m++)
+            for (int n = 0; n < NR; n++) out[m * NR + n] += (int32_t)xq[m * ldq + k] * w[n * K + k];
+}
+
+#define A16_PC(MR, NR) static void a16_pc_##MR##_##NR(const int16_t *xq, int64_t ldq, const int8_t *w, \
+    int64_t K, int32_t *out) { a16_tile_pc(xq, ldq, w, K, MR, NR, out); }
+#define A16_MR 4
+#define A16_NR 2
+A16_PC(1, 1) A16_PC(1, 2) A16_PC(1, 3) A16_PC(1, 4) A16_PC(2, 1) A16_PC(2, 2) A16_PC(2, 3) A16_PC(2, 4)
+A16_PC(3, 1) A16_PC(3, 2) A16_PC(4, 1) A16_PC(4, 2)
+
+typedef void (*a16_pc_fn)(const int16_t *, int64_t, const int8_t *, int64_t, int32_t *);
+static const a16_pc_fn A16_PC_FN[4][4] = {
+    {a16_pc_1_1, a16_pc_1_2, a16_pc_1_3, a16_pc_1_4}, {a16_pc_2_1, a16_pc_2_2, a16_pc_2_3, a16_pc_2_4},
+    {a16_pc_3_1, a16_pc_3_2, NULL, NULL}, {a16_pc_4_1, a16_pc_4_2, NULL, NULL}};   /* <= 8 sums */
+
+/* Per output channel only (G >= K); groups go to the weight-only loops (see the note above). */
+void w8_gemm_a16(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *w, const uint16_t *scales,
+                 int64_t G, const float *bias, int64_t N, float *y, int64_t ldy, int nthreads) {
+    if (G < K) { w8_gemm_f32a(x, M, K, ldx, w, scales, G, bias, N, y, ldy, nthreads); return; }
+    const int MR = A16_MR, NR = A16_NR;
+    int64_t ldq = (K + 15) & ~(int64_t)15, Q = a16_q(K);
+    int16_t *xq = aligned_alloc(64, (size_t)((M * ldq * 2 + 63) & ~(int64_t)63));
+    float *sx = malloc((size_t)M * sizeof(float));
+    a16_quantize(x, ldx, M, K, Q, xq, ldq, sx, nthreads);
+    int64_t nb = ((N + nthreads - 1) / nthreads + 11) / 12 * 12;     /* weight rows per thread */
+    int64_t nblocks = (N + nb - 1) / nb;
+    int64_t mb = (A16_X_BYTES / (2 * ldq)) / MR * MR;               /* activation rows per L2 panel */
+    if (mb < MR) mb = MR;
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t b = 0; b < nblocks; b++) {
+        int64_t n_lo = b * nb, n_hi = n_lo + nb < N ? n_lo + nb : N;
+        int32_t acc[8];
+        for (int64_t m_lo = 0; m_lo < M; m_lo += mb) {
+            int64_t m_hi = m_lo + mb < M ? m_lo + mb : M;
+            for (int64_t n0 = n_lo; n0 < n_hi; n0 += NR) {   /* NR weight rows stay in L1 ...   */
+                int nr = n_hi - n0 < NR ? (int)(n_hi - n0) : NR;
+                float ws[A16_NR];
+                for (int j = 0; j < nr; j++) ws[j] = h2f(scales[n0 + j]);
+                for (int64_t m0 = m_lo; m0 < m_hi; m0 += MR) {  /* ... for every activation tile */
+                    int mr = m_hi - m0 < MR ? (int)(m_hi - m0) : MR;
+                    A16_PC_FN[mr - 1][nr - 1](xq + m0 * ldq, ldq, w + n0 * K, K, acc);
+                    for (int i = 0; i < mr; i++)
+                        for (int j = 0; j < nr; j++)
+                            y[(m0 + i) * ldy + n0 + j] = (float)acc[i * nr + j] * (ws[j] * sx[m0 + i])
+                                                         + (bias ? bias[n0 + j] : 0.f);
+                }
+            }
+        }
+    }
+    free(xq);
+    free(sx);
+}
+#else
+void w8_set_a16_min_m(int64_t m) { (void)m; }
+int64_t w8_a16_min_m(void) { return 0; }
+void w8_gemm_a16(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *w, const uint16_t *scales,
+                 int64_t G, const float *bias, int64_t N, float *y, int64_t ldy, int nthreads) {
+    w8_gemm_f32a(x, M, K, ldx, w, scales, G, bias, N, y, ldy, nthreads);
+}
+#endif
+
+/* The entry point (QuantLinear's CPU path and the fused decode step): int16 activations from
+ * a16_min_m rows on (AVX2 builds; tolerance in docs/quantization.md), else weight-only. */
+void w8_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *w, const uint16_t *scales,
+             int64_t G, const float *bias, int64_t N, float *y, int64_t ldy, int nthreads) {
+#ifdef __AVX2__
+    if (a16_min_m > 0 && M >= a16_min_m && G >= K) {
+        w8_gemm_a16(x, M, K, ldx, w, scales, G, bias, N, y, ldy, nthreads);
+        return;
+    }
+#endif
+    w8_gemm_f32a(x, M, K, ldx, w, scales, G, bias, N, y, ldy, nthreads);
+}
+
 void w8_dequant(const int8_t *w, const uint16_t *scales, int64_t G, int64_t N, int64_t K, float *out,
                 int nthreads) {
     int64_t ng = (K + G - 1) / G;
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t n = 0; n < N; n++)
-        for (int64_t k = 0; k < K; k++) out[n * K + k] = (float)w[n * K + k] * h2f(scales[n * ng + k / G]);
+        for (int64_t g = 0; g < ng; g++) {             /* one scale per group: the inner loop vectorizes */
+            int64_t k0 = g * G, k1 = k0 + G < K ? k0 + G : K;
+            float s = h2f(scales[n * ng + g]);
+            const int8_t *wr = w + n * K;
+            float *o = out + n * K;
+            for (int64_t k = k0; k < k1; k++) o[k] = (float)wr[k] * s;
+        }
 }
 
 /* ---- int4 ------------------------------------------------------------------------------------- */
