@@ -5,6 +5,9 @@
     python -m load.bench_quant kernels [--threads 1] [--ms 1 16] [--shapes 576x576]   # one GEMM per kernel
     python -m load.bench_quant step [--batch 2 4 8 16] [--prefill 64 192 512]  # the model's step
 
+A method spec ``int8!f32a`` (speed) is int8 with the int16-activation kernel switched off (the
+weight-only C loops for every M; backend/quant/cpu.py), timed in the same process as ``int8``.
+
 quality: perplexity on the English (ASCII) lines of backend/assets/corpus.txt (fixed since the
 foundation commit; windows of 512 tokens, every token scored), and greedy agreement with fp32 over
 20 prompts x 64 tokens (the share of positions whose token equals fp32's, and the mean length of
@@ -41,6 +44,7 @@ def prompts(n: int = 20) -> list[str]:
 def parse_spec(spec: str) -> dict:
     """``int4@128:bfloat16`` -> engine options (method, then @group size, then :dtype); a ``+head``
     after the method also quantizes the LM head (``int8+head``: quant_lm_head)."""
+    spec = spec.replace("!f32a", "")             # speed: int8 with fp32 activations (see speed())
     rest, _, dtype = spec.partition(":")
     head = rest.endswith("+head") or "+head@" in rest
     method, _, group = rest.replace("+head", "").partition("@")
@@ -130,15 +134,23 @@ def speed(a) -> list[dict]:
         llms[spec] = LLM(a.model, **parse_spec(spec))
         llms[spec].generate(texts[:1], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
         rows[spec] = {"method": spec, "weight_bytes": llms[spec].engine.runner.model.quantization["weight_bytes"]}
+    from backend.quant import cpu as qcpu
+
+    lib = qcpu.library()
+    default = lib.w8_a16_min_m() if lib is not None else 0
     for _ in range(a.rounds):
         for n in a.streams:
             for spec, llm in llms.items():
+                if lib is not None:            # "int8!f32a": the same int8 model, weight-only GEMMs
+                    lib.w8_set_a16_min_m(0 if spec.endswith("!f32a") else default)
                 t0, c0 = time.perf_counter(), time.process_time()
                 llm.generate(texts[:n], params)
                 rate = n * a.tokens / (time.perf_counter() - t0)
                 cpu_rate = n * a.tokens / (time.process_time() - c0)     # per CPU second: robust to load
                 rows[spec][f"tok_s_{n}"] = max(rate, rows[spec].get(f"tok_s_{n}", 0.0))
                 rows[spec][f"cpu_tok_s_{n}"] = max(cpu_rate, rows[spec].get(f"cpu_tok_s_{n}", 0.0))
+    if lib is not None:
+        lib.w8_set_a16_min_m(default)
     base = rows[a.methods[0]]
     for r in rows.values():
         for n in a.streams:

@@ -5,7 +5,8 @@ Its tensors are parameters (``requires_grad=False``) named as they are on disk (
 included; ``param_dtypes`` tells the loader which dtype each one keeps (the bias alone follows the
 model dtype). The forward pass picks the kernel by device:
 
-    CPU   backend/quant/cpu.py: the C kernel for decode-sized calls, dequantize + BLAS above
+    CPU   backend/quant/cpu.py: the C kernels (int8 per channel from 8 rows: int16 activations),
+          dequantize + BLAS for int4 / grouped int8 above 32 rows
     CUDA  kernels/quant_gemm.py: OpenAI-Triton W8A16 / W4A16 (dequantize in registers, fp32 acc)
     else  dequantize + F.linear (the reference; also the path with no C compiler)
 """
