@@ -161,5 +161,7 @@ def decode_library():
         lib.step_forward.restype = ctypes.c_int
         lib.decode_scratch_floats.argtypes = [_P, _I]
         lib.decode_scratch_floats.restype = _I
+        lib.linear_f32.argtypes = [_P, _I, _I, _P, _P, _I, _P, ctypes.c_int, ctypes.c_int]
+        lib.linear_f32.restype = None
         return lib
     return None

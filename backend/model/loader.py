@@ -7,10 +7,20 @@ plus one tensor. HF names map onto ours with q/k/v and gate/up fused::
     model.layers.N.self_attn.{q,k,v}_proj.{weight,bias} -> ...self_attn.qkv_proj  rows [q | k | v]
     model.layers.N.mlp.{gate,up}_proj.{weight,bias}     -> ...mlp.gate_up_proj    rows [gate | up]
     lm_head.weight                                      -> lm_head (skipped when tied)
+
+Weight placement (issue 15, fp32 decode bandwidth): on CPU every parameter is a view into one
+anonymous mapping aligned to 2 MiB and advised ``MADV_HUGEPAGE`` (:func:`weight_arena`), so a
+decode step that streams all weights once per token walks 2 MiB pages instead of 4 KiB ones (with
+``/sys/kernel/mm/transparent_hugepage/enabled`` at ``madvise`` or ``always``; SmolLM2's fused
+step ~1.1x at one stream, docs/kernels.md). Not for a float checkpoint quantized at load (its
+float projections are dropped after loading; an arena would keep their memory).
+``TRITON_LLM_HUGE_PAGES=0`` keeps torch's own allocations.
 """
 from __future__ import annotations
 
 import json
+import mmap
+import os
 import pathlib
 import re
 
@@ -85,16 +95,53 @@ def _fused_slice(cfg: ModelConfig, proj: str) -> tuple[str, int, int]:
             "gate_proj": ("gate_up_proj", 0, inter), "up_proj": ("gate_up_proj", inter, inter)}[proj]
 
 
-def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
-    """Replace every meta parameter with uninitialized storage of the target dtype/device."""
+HUGE_PAGE = 2 << 20
+_ALIGN = 64        # each parameter's first byte: a cache line (the C kernels' vector loads)
+
+
+def huge_pages_enabled() -> bool:
+    return os.environ.get("TRITON_LLM_HUGE_PAGES", "1").lower() not in ("0", "false", "off", "no")
+
+
+def weight_arena(nbytes: int) -> torch.Tensor:
+    """An uninitialized uint8 CPU tensor of ``nbytes`` whose first byte is 2 MiB-aligned, inside an
+    anonymous mapping advised ``MADV_HUGEPAGE`` (where the kernel has it): transparent huge pages
+    for weights read once per decoded token. The tensor keeps the mapping alive."""
+    size = -(-max(nbytes, 1) // HUGE_PAGE) * HUGE_PAGE
+    buf = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = torch.frombuffer(buf, dtype=torch.uint8)
+    start = -whole.data_ptr() % HUGE_PAGE
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            buf.madvise(mmap.MADV_HUGEPAGE, start, size)
+        except OSError:            # a kernel without THP: ordinary pages, same layout
+            pass
+    return whole[start:start + nbytes]
+
+
+def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device, arena: bool = False) -> None:
+    """Replace every meta parameter with uninitialized storage of the target dtype/device; with
+    ``arena`` (CPU only), as views into one :func:`weight_arena`, each 64-byte aligned."""
     from backend.quant.apply import module_dtypes     # quantized tensors keep their own dtypes
 
+    slots = []          # (module, name, shape, dtype)
     for module in model.modules():
         dtypes = module_dtypes(module, dtype)
         for name, p in list(module._parameters.items()):
             if p is not None:
-                module._parameters[name] = nn.Parameter(
-                    torch.empty(p.shape, dtype=dtypes[name], device=device), requires_grad=False)
+                slots.append((module, name, p.shape, dtypes[name]))
+    if not (arena and device.type == "cpu" and huge_pages_enabled()):
+        for module, name, shape, dt in slots:
+            module._parameters[name] = nn.Parameter(torch.empty(shape, dtype=dt, device=device), requires_grad=False)
+        return
+    offsets, total = [], 0
+    for _, _, shape, dt in slots:
+        offsets.append(total)
+        total += -(-shape.numel() * dt.itemsize // _ALIGN) * _ALIGN
+    buf = weight_arena(total)
+    for (module, name, shape, dt), off in zip(slots, offsets):
+        t = buf[off:off + shape.numel() * dt.itemsize].view(dt).view(shape)
+        module._parameters[name] = nn.Parameter(t, requires_grad=False)
 
 
 def load_model(model_dir: str | pathlib.Path, cfg: ModelConfig, *, dtype: torch.dtype,
@@ -113,7 +160,7 @@ def load_model(model_dir: str | pathlib.Path, cfg: ModelConfig, *, dtype: torch.
         qc = checkpoint_quant_config(model_dir)
         if qc:
             prepare_quantized(model, qc)
-    _materialize(model, dtype, device)
+    _materialize(model, dtype, device, arena=qc is not None or quantization == "none")
     model.rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope, device)
     params = dict(model.named_parameters())
     # Rows still to be filled, per parameter: a fused one is complete when all its parts arrived.

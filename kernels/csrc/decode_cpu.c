@@ -21,7 +21,9 @@
  *
  * The linears are x W^T with W [N, K] row-major as stored by torch. Small M: register tiles of
  * R weight rows x T tokens (8-float vector accumulators along K, horizontal sum at the end), each
- * weight tile read from memory once and reused from L1 for every group of T tokens. M >= gemm_min_m
+ * weight tile read from memory once and reused from L1 for every group of T tokens; a tile's rows
+ * come from the 4 quarters of the row range, so the weights stream from DRAM as 4 sequential
+ * streams side by side (~1.6x the bytes per second of one stream at M = 1, issue 15). M >= gemm_min_m
  * (when the caller passes MKL's sgemm_): BLAS, which wins once the step is compute-bound.
  * Threads: OpenMP over weight-row blocks and attention rows when nthreads > 1.
  *
@@ -94,19 +96,21 @@ static inline float hsum(v8 a) {
     return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
 }
 
-/* y[t, r] (+)= x[t] . w[r] + bias[r] for R rows, T tokens; pf: the R rows to prefetch meanwhile
- * (the next tile's, on the first token group only: later groups find this tile in L1). */
+/* y[t, r g] (+)= x[t] . w[r g] + bias[r g] for R rows g rows apart, T tokens; pf: the R rows to
+ * prefetch meanwhile (the next tile's, on the first token group only: later groups find this tile
+ * in L1). */
 #define DEFINE_TILE(R, T)                                                                          \
-static void tile_##R##_##T(const float *x, int64_t K, const float *w, const float *bias,         \
+static void tile_##R##_##T(const float *x, int64_t K, const float *w, int64_t g, const float *bias, \
                            float *y, int64_t ldy, int acc, const float *pf) {                      \
     v8 a[R][T];                                                                                    \
     for (int r = 0; r < R; r++) for (int t = 0; t < T; t++) a[r][t] = (v8){0};                     \
+    const int64_t rs = g * K;                                                                      \
     int64_t k = 0;                                                                                 \
     for (; k + 8 <= K; k += 8) {                                                                   \
         if (pf && (k & 15) == 0)                                                                   \
-            for (int r = 0; r < R; r++) __builtin_prefetch(pf + r * K + k);                        \
+            for (int r = 0; r < R; r++) __builtin_prefetch(pf + r * rs + k);                       \
         v8 wv[R];                                                                                  \
-        for (int r = 0; r < R; r++) { wv[r] = ld(w + r * K + k); IN_REG(wv[r]); }                 \
+        for (int r = 0; r < R; r++) { wv[r] = ld(w + r * rs + k); IN_REG(wv[r]); }                \
         for (int t = 0; t < T; t++) {                                                              \
             v8 xv = ld(x + t * K + k);                                                             \
             IN_REG(xv);                                                                            \
@@ -116,20 +120,85 @@ static void tile_##R##_##T(const float *x, int64_t K, const float *w, const floa
     for (int r = 0; r < R; r++)                                                                    \
         for (int t = 0; t < T; t++) {                                                              \
             float s = hsum(a[r][t]);                                                               \
-            for (int64_t i = k; i < K; i++) s += w[r * K + i] * x[t * K + i];                      \
-            if (bias) s += bias[r];                                                                \
-            y[t * ldy + r] = acc ? y[t * ldy + r] + s : s;                                         \
+            for (int64_t i = k; i < K; i++) s += w[r * rs + i] * x[t * K + i];                     \
+            if (bias) s += bias[r * g];                                                            \
+            float *o = y + t * ldy + r * g;                                                        \
+            *o = acc ? *o + s : s;                                                                 \
         }                                                                                          \
+}
+
+/* M = 1: R rows g apart, one token; the weight vectors are used once, so no register pinning. */
+#define DEFINE_GEMV(R)                                                                             \
+static void gemv_##R(const float *x, int64_t K, const float *w, int64_t g, const float *bias,     \
+                     float *y, int acc) {                                                          \
+    v8 a[R];                                                                                       \
+    for (int r = 0; r < R; r++) a[r] = (v8){0};                                                    \
+    const int64_t rs = g * K;                                                                      \
+    int64_t k = 0;                                                                                 \
+    for (; k + 8 <= K; k += 8) {                                                                   \
+        const v8 xv = ld(x + k);                                                                   \
+        for (int r = 0; r < R; r++) a[r] += ld(w + r * rs + k) * xv;                               \
+    }                                                                                              \
+    for (int r = 0; r < R; r++) {                                                                  \
+        float s = hsum(a[r]);                                                                      \
+        for (int64_t i = k; i < K; i++) s += w[r * rs + i] * x[i];                                 \
+        if (bias) s += bias[r * g];                                                                \
+        y[r * g] = acc ? y[r * g] + s : s;                                                         \
+    }                                                                                              \
 }
 
 DEFINE_TILE(4, 1) DEFINE_TILE(4, 2) DEFINE_TILE(3, 3) DEFINE_TILE(2, 4)
 DEFINE_TILE(1, 1) DEFINE_TILE(1, 2) DEFINE_TILE(1, 3) DEFINE_TILE(1, 4)
+DEFINE_GEMV(4) DEFINE_GEMV(1)
 
-#define ROW_BLOCK 32   /* weight rows per work item: a thread's share stays contiguous */
+/* Rows a tile takes from STREAMS parts of a thread's row range, one row of each part: the weights
+ * are then read as STREAMS long sequential streams side by side. One Zen 3 core reads ~1.5x more
+ * bytes per second from DRAM that way than along one stream (4 adjacent rows are one stream). */
+#define STREAMS 4
 /* Threads only for calls of at least this many multiply-adds (~0.1 ms on one core): a parallel
  * region ends in a barrier, and on a shared host the other thread is often descheduled -- with
  * a region per linear at M = 1, two threads made bench-15m's step ~50x slower under load. */
 #define PAR_MIN_MACS (1 << 22)
+
+/* Rows [n0, n1) of y [M, N] (+)= x [M, K] W^T + bias. */
+static void linear_rows(const float *x, int64_t M, int64_t K, const float *W, const float *bias,
+                        int64_t N, float *y, int acc, int64_t n0, int64_t n1) {
+    const int64_t g = (n1 - n0) / STREAMS;             /* rows per part; tile rows are g apart */
+    for (int64_t i = 0; i < g; i++) {
+        const int64_t n = n0 + i;
+        const float *w = W + n * K, *b = bias ? bias + n : NULL;
+        if (M == 1) { gemv_4(x, K, w, g, b, y + n, acc); continue; }
+        const float *pf = i + 1 < g ? w + K : NULL;
+        for (int64_t t0 = 0; t0 < M; t0 += 4, pf = NULL) {
+            const float *xt = x + t0 * K;
+            float *yt = y + t0 * N + n;
+            switch (M - t0 >= 4 ? 4 : M - t0) {     /* 4 rows: 4x1, 4x2, 3x3 + 1x3, 2x4 + 2x4 */
+            case 1: tile_4_1(xt, K, w, g, b, yt, N, acc, pf); break;
+            case 2: tile_4_2(xt, K, w, g, b, yt, N, acc, pf); break;
+            case 3: tile_3_3(xt, K, w, g, b, yt, N, acc, pf);
+                    tile_1_3(xt, K, w + 3 * g * K, g, b ? b + 3 * g : NULL, yt + 3 * g, N, acc,
+                             pf ? pf + 3 * g * K : NULL);
+                    break;
+            default: tile_2_4(xt, K, w, g, b, yt, N, acc, pf);
+                     tile_2_4(xt, K, w + 2 * g * K, g, b ? b + 2 * g : NULL, yt + 2 * g, N, acc,
+                              pf ? pf + 2 * g * K : NULL);
+            }
+        }
+    }
+    for (int64_t n = n0 + STREAMS * g; n < n1; n++) {  /* the < STREAMS rows left */
+        const float *w = W + n * K, *b = bias ? bias + n : NULL;
+        for (int64_t t0 = 0; t0 < M; t0 += 4) {
+            const float *xt = x + t0 * K;
+            float *yt = y + t0 * N + n;
+            switch (M - t0 >= 4 ? 4 : M - t0) {
+            case 1: gemv_1(xt, K, w, 1, b, yt, acc); break;
+            case 2: tile_1_2(xt, K, w, 1, b, yt, N, acc, NULL); break;
+            case 3: tile_1_3(xt, K, w, 1, b, yt, N, acc, NULL); break;
+            default: tile_1_4(xt, K, w, 1, b, yt, N, acc, NULL);
+            }
+        }
+    }
+}
 
 /* y [M, N] (+)= x [M, K] W^T + bias;  x, y contiguous; acc: add into y (the residual). */
 static void linear(const Model *m, const float *x, int64_t M, int64_t K, const float *W,
@@ -144,43 +213,17 @@ static void linear(const Model *m, const float *x, int64_t M, int64_t K, const f
                 for (int64_t n = 0; n < N; n++) y[t * N + n] += bias[n];
         return;
     }
-    const int64_t nblocks = (N + ROW_BLOCK - 1) / ROW_BLOCK;
-    const int par = nt > 1 && M * N * K >= PAR_MIN_MACS;
-#pragma omp parallel for schedule(static) num_threads(nt) if (par)
-    for (int64_t blk = 0; blk < nblocks; blk++) {
-        const int64_t n0 = blk * ROW_BLOCK, n1 = n0 + ROW_BLOCK < N ? n0 + ROW_BLOCK : N;
-        int64_t n = n0;
-        for (; n + 4 <= n1; n += 4) {         /* 4 rows at a time (3+1 for 3 tokens, 2+2 for 4) */
-            const float *w = W + n * K, *b = bias ? bias + n : NULL;
-            const float *pf = n + 8 <= N ? w + 4 * K : NULL;
-            for (int64_t t0 = 0; t0 < M; t0 += 4, pf = NULL) {
-                const float *xt = x + t0 * K;
-                float *yt = y + t0 * N + n;
-                switch (M - t0 >= 4 ? 4 : M - t0) {
-                case 1: tile_4_1(xt, K, w, b, yt, N, acc, pf); break;
-                case 2: tile_4_2(xt, K, w, b, yt, N, acc, pf); break;
-                case 3: tile_3_3(xt, K, w, b, yt, N, acc, pf);
-                        tile_1_3(xt, K, w + 3 * K, b ? b + 3 : NULL, yt + 3, N, acc, pf ? pf + 3 * K : NULL);
-                        break;
-                default: tile_2_4(xt, K, w, b, yt, N, acc, pf);
-                         tile_2_4(xt, K, w + 2 * K, b ? b + 2 : NULL, yt + 2, N, acc, pf ? pf + 2 * K : NULL);
-                }
-            }
-        }
-        for (; n < n1; n++) {
-            const float *w = W + n * K, *b = bias ? bias + n : NULL;
-            for (int64_t t0 = 0; t0 < M; t0 += 4) {
-                const float *xt = x + t0 * K;
-                float *yt = y + t0 * N + n;
-                switch (M - t0 >= 4 ? 4 : M - t0) {
-                case 1: tile_1_1(xt, K, w, b, yt, N, acc, NULL); break;
-                case 2: tile_1_2(xt, K, w, b, yt, N, acc, NULL); break;
-                case 3: tile_1_3(xt, K, w, b, yt, N, acc, NULL); break;
-                default: tile_1_4(xt, K, w, b, yt, N, acc, NULL);
-                }
-            }
-        }
-    }
+    const int T = nt > 1 && M * N * K >= PAR_MIN_MACS ? nt : 1;   /* one contiguous row range each */
+#pragma omp parallel for schedule(static) num_threads(T) if (T > 1)
+    for (int t = 0; t < T; t++)
+        linear_rows(x, M, K, W, bias, N, y, acc, N * t / T, N * (t + 1) / T);
+}
+
+/* The fp32 linear alone (own kernels, no sgemm), for tests and tools: y [M, N] (+)= x W^T + bias. */
+void linear_f32(const float *x, int64_t M, int64_t K, const float *W, const float *bias, int64_t N,
+                float *y, int acc, int nt) {
+    const Model m = {0};
+    linear(&m, x, M, K, W, bias, N, y, acc, nt);
 }
 
 /* A projection that may be quantized: q NULL or fp32 -> linear(); else the quant GEMM into y, or,

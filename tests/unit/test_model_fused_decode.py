@@ -251,6 +251,8 @@ def test_bf16_models_are_not_fused():
                                         ("tiny-qwen2", "int8", True), ("tiny", "int4", True)],
                 ids=["int8", "int4", "qwen2-int8-head", "int4-head"])
 def qrunner(request) -> ModelRunner:
+    from backend.quant import cpu as qcpu
+
     if decode_library() is None:
         pytest.skip("no C compiler: the fused decode step is unavailable")
     preset, method, head = request.param
@@ -260,7 +262,18 @@ def qrunner(request) -> ModelRunner:
     assert quant and all(m.method == method for m in quant)
     assert (r.model.lm_head_q is not None) == head
     assert r.fused is not None
-    return r
+    # int8 per channel quantizes activations to int16 from A16_MIN_M rows on (backend/quant/cpu.py):
+    # the two paths' fp32 activations differ by ~1e-7, which flips a few int16 roundings. Weight-only
+    # loops for every M here, so fused vs torch path stays a strict 1e-4 comparison.
+    setter = getattr(qcpu.library(), "w8_set_a16_min_m", None)    # absent: weight-only already
+    if setter is None:
+        yield r
+        return
+    setter(0)
+    try:
+        yield r
+    finally:
+        setter(qcpu.A16_MIN_M if qcpu.int8_activations() == "int16" else 0)
 
 
 @pytest.mark.parametrize("m", [1, 3, 16])
@@ -319,3 +332,70 @@ def test_quantized_models_send_long_prefill_steps_to_the_torch_path(qrunner, run
     assert q.accepts(num_tokens=cap, num_seqs=2) and not q.accepts(num_tokens=cap + 1, num_seqs=2)
     assert q.accepts(num_tokens=cap + 40, num_seqs=cap + 40)
     assert runner.fused.accepts(num_tokens=cap + 1, num_seqs=2) == (cap + 1 <= runner.fused.max_tokens)
+
+
+@pytest.mark.parametrize("n,k", [(1, 8), (3, 20), (4, 16), (5, 64), (7, 9), (37, 72), (130, 33), (1030, 40), (4100, 64)])
+def test_linear_kernels_every_row_and_token_count(n, k):
+    """The fused step's own fp32 linear (``linear_f32``: row parts read side by side, register tiles
+    of 1-4 tokens, the < 4 rows left over, K tails) against float64, with and without bias and the
+    residual add, 1 and 2 threads (4100 x 64 at 17 tokens is above the threading threshold: two
+    row ranges)."""
+    lib = decode_library()
+    if lib is None:
+        pytest.skip("no C compiler: the fused decode step is unavailable")
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g)
+    for m in (1, 2, 3, 4, 5, 8, 17):
+        x = torch.randn(m, k, generator=g)
+        y0 = torch.randn(m, n, generator=g)
+        for bias, acc, nt in ((None, 0, 1), (b, 0, 1), (b, 1, 1), (None, 1, 2), (b, 0, 2)):
+            want = x.double() @ w.double().T + (0 if bias is None else bias.double()) + (y0.double() if acc else 0)
+            y = y0.clone()
+            lib.linear_f32(x.data_ptr(), m, k, w.data_ptr(), None if bias is None else bias.data_ptr(), n,
+                           y.data_ptr(), acc, nt)
+            err = (y.double() - want).abs().max().item()
+            assert err <= 1e-5 * max(1.0, want.abs().max().item()), (m, bias is None, acc, nt, err)
+
+
+def test_weights_sit_in_one_huge_page_arena(monkeypatch):
+    """The loader places every parameter in one 2 MiB-aligned arena advised for transparent huge
+    pages (backend/model/loader.py): each 64-byte aligned, no two overlapping, values identical to
+    torch's own allocations (TRITON_LLM_HUGE_PAGES=0), and the fused step's logits bit-identical."""
+    from backend.model.config import load_model_config
+    from backend.model.loader import HUGE_PAGE, load_model
+
+    if decode_library() is None:
+        pytest.skip("no C compiler: the fused decode step is unavailable")
+    d = model_dir("tiny-qwen2")
+    cfg = load_model_config(d)
+    arena = load_model(d, cfg, dtype=torch.float32)
+    monkeypatch.setenv("TRITON_LLM_HUGE_PAGES", "0")
+    plain = load_model(d, cfg, dtype=torch.float32)
+    ps = list(arena.parameters())
+    base = min(p.data_ptr() for p in ps)
+    assert base % HUGE_PAGE == 0
+    spans = sorted((p.data_ptr(), p.data_ptr() + p.numel() * p.element_size()) for p in ps)
+    assert all(a % 64 == 0 for a, _ in spans)
+    assert all(e <= s for (_, e), (s, _) in zip(spans, spans[1:]))
+    assert all(p.untyped_storage().data_ptr() == ps[0].untyped_storage().data_ptr() for p in ps)
+    assert len({p.untyped_storage().data_ptr() for p in plain.parameters()}) == len(list(plain.parameters()))
+    for (name, a), (_, b) in zip(arena.named_parameters(), plain.named_parameters()):
+        assert a.is_contiguous() and torch.equal(a, b), name
+    # quantized at load: the float projections are dropped, so torch's allocations (no dead arena)
+    monkeypatch.delenv("TRITON_LLM_HUGE_PAGES")
+    q = load_model(d, cfg, dtype=torch.float32, quantization="int8")
+    assert len({p.untyped_storage().data_ptr() for p in q.parameters()}) > 1
+
+
+def test_huge_page_weights_give_the_same_fused_logits(monkeypatch):
+    if decode_library() is None:
+        pytest.skip("no C compiler: the fused decode step is unavailable")
+    out = []
+    for env in ("1", "0"):
+        monkeypatch.setenv("TRITON_LLM_HUGE_PAGES", env)
+        r = ModelRunner(str(model_dir("tiny")), EngineArgs(block_size=BLOCK, num_kv_blocks=NUM_BLOCKS, num_threads=1))
+        assert r.fused is not None
+        seqs = prefill(r, [9, 14], seed=5)
+        out.append(r.execute(build_batch([SeqChunk([t[-1]], len(t), tab) for t, tab in seqs], BLOCK)))
+    assert torch.equal(out[0], out[1])
