@@ -35,7 +35,7 @@ def test_cpu_gemm_matches_dequantize_then_matmul(m, n, k, method, group):
     qw = layout.quantize_int8(w, group) if method == "int8" else layout.quantize_int4(w, group)
     ref = torch.nn.functional.linear(x, layout.dequantize(qw), bias)
     y = cpu.gemm(x, method, qw.qweight, qw.scales, qw.zeros, qw.group_size, k, bias)
-    if method == "int8" and group is None and m >= cpu.A16_MIN_M:      # int16 activations
+    if method == "int8" and (group is None or k % 32 == 0) and m >= cpu.A16_MIN_M:   # int16 activations
         assert ((y - ref).abs() <= a16_bound(x, layout.dequantize(qw), ref)).all()
     else:
         assert (y - ref).abs().max() <= 1e-5 * ref.abs().max()
@@ -85,19 +85,21 @@ def test_quant_linear_forward_on_cpu(dtype):
 
 @pytest.mark.parametrize("m,n,k", [(1, 5, 16), (4, 9, 100), (8, 21, 100), (13, 40, 576), (64, 30, 1536),
                                    (9, 7, 9000)])
-def test_int16_activation_kernel_within_its_bound(m, n, k):
-    """w8_gemm_a16 for every M (tiles 4 x 2 and all remainders; K = 9000: Q drops to 1878 so the
-    int32 sums cannot overflow), rows scaled 1e-3..1e3 apart and one all-zero row; the weight-only
-    loops on the same input stay at fp32 accuracy."""
+@pytest.mark.parametrize("group", [None, 32])
+def test_int16_activation_kernel_within_its_bound(m, n, k, group):
+    """w8_gemm_a16 for every M (tiles 4 x 2 / 4 x 1 for groups of 32, all remainders; K = 9000: Q
+    drops to 1878 so the int32 sums cannot overflow; K = 100 with groups: not a multiple of 32, the
+    weight-only loops), rows scaled 1e-3..1e3 apart and one all-zero row; the weight-only loops on the
+    same input stay at fp32 accuracy."""
     torch.manual_seed(k + m)
     w, x, bias = torch.randn(n, k), torch.randn(m, k), torch.randn(n)
     x *= torch.logspace(-3, 3, m)[:, None]
     x[m // 2] = 0
-    qw = layout.quantize_int8(w)
+    qw = layout.quantize_int8(w, group)
     dq = layout.dequantize(qw)
     ref = torch.nn.functional.linear(x, dq, bias)
     for kernel in ("a16", "f32a", "blas"):
-        y = cpu.gemm(x, "int8", qw.qweight, qw.scales, None, k, k, bias, kernel=kernel)
+        y = cpu.gemm(x, "int8", qw.qweight, qw.scales, None, qw.group_size, k, bias, kernel=kernel)
         if kernel == "a16":
             assert ((y - ref).abs() <= a16_bound(x, dq, ref)).all()
             assert torch.equal(y[m // 2], bias)                  # a zero row: exactly the bias
@@ -110,16 +112,22 @@ def test_int8_routing_and_switch(monkeypatch):
     for per-channel weights only; TRITON_LLM_INT8_ACT=fp32 keeps the weight-only loops everywhere."""
     torch.manual_seed(5)
     k = 200
-    qw, q32 = layout.quantize_int8(torch.randn(30, k)), layout.quantize_int8(torch.randn(30, k), 32)
+    qw, q32 = layout.quantize_int8(torch.randn(30, k)), layout.quantize_int8(torch.randn(30, k + 8), 32)
+    q64 = layout.quantize_int8(torch.randn(30, k + 8), 64)
     lib = cpu.library()
     assert lib.w8_a16_min_m() == cpu.A16_MIN_M
     for m in (cpu.A16_MIN_M - 1, cpu.A16_MIN_M, 40):
         x = torch.randn(m, k)
-        run = lambda q, kern: cpu.gemm(x, "int8", q.qweight, q.scales, None, q.group_size, k, None, kernel=kern)  # noqa: E731
+        x8 = torch.randn(m, k + 8)                                            # K = 208: 6.5 groups of 32
+        run = lambda q, kern: cpu.gemm(x if q is qw else x8, "int8", q.qweight, q.scales, None, q.group_size,  # noqa: E731
+                                       q.in_features, None, kernel=kern)
         want = "a16" if m >= cpu.A16_MIN_M else "f32a"
         assert torch.equal(run(qw, None), run(qw, want)) and torch.equal(run(qw, "c"), run(qw, want))
-        assert torch.equal(run(q32, "c"), run(q32, "f32a"))                   # groups: weight-only
+        assert torch.equal(run(q32, "c"), run(q32, want))                     # GGUF Q8_0 groups of 32 too
+        assert torch.equal(run(q64, "c"), run(q64, "f32a"))                   # other groups: weight-only
         assert not torch.equal(run(qw, "a16"), run(qw, "f32a"))
+        if m > cpu.SMALL_M:                                                   # torch path: groups dequantize + BLAS
+            assert torch.equal(run(q32, None), run(q32, "blas"))
     with pytest.raises(ValueError, match="TRITON_LLM_INT8_ACT"):
         monkeypatch.setenv("TRITON_LLM_INT8_ACT", "int4")
         cpu.int8_activations()
