@@ -40,7 +40,7 @@ def validate_request(limits: EngineLimits, request_id: str, prompt_token_ids: li
     if n == 0:
         raise invalid_request("input_ids", "prompt is empty: at least one token is needed")
     vocab = limits.vocab_size
-    if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in prompt_token_ids):
+    if not _token_ids_ok(prompt_token_ids, vocab):
         raise invalid_request("input_ids", f"prompt token ids must be integers in [0, {vocab})")
     limit = limits.max_model_len
     if n >= limit:
@@ -56,6 +56,15 @@ def validate_request(limits: EngineLimits, request_id: str, prompt_token_ids: li
     if params.n > limits.max_num_seqs:
         raise invalid_request("n", f"n ({params.n}) exceeds max_num_seqs ({limits.max_num_seqs})")
     return max_tokens
+
+
+def _token_ids_ok(ids: list, vocab: int) -> bool:
+    """Every id an int (not a bool) in [0, vocab). Plain ints (what every caller passes) are checked
+    with C-level passes (the per-id generator was ~20 us per 130-token prompt, twice per request on
+    the way to its first token); anything else one by one."""
+    if set(map(type, ids)) == {int}:
+        return 0 <= min(ids) and max(ids) < vocab
+    return all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids)
 
 
 def check_queue(limits: EngineLimits, num_waiting: int) -> None:

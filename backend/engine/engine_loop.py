@@ -29,6 +29,7 @@ from backend.engine.stats import EngineStats
 from backend.errors import EngineError, internal, queue_full, unavailable
 from backend.outputs import STOP, StepDelta
 from backend.sampling_params import SamplingParams
+from backend.serving import ttft_trace
 
 log = logging.getLogger(__name__)
 Sink = Callable[[StepDelta], Any] | queue.Queue
@@ -55,6 +56,7 @@ class AbortRequest:
 
 _CRASH = object()            # tests: makes the engine thread raise (EngineLoop.inject_crash)
 IDLE_AUDIT_DELAY_S = 0.02     # the allocator audit runs once the loop has been idle this long
+FIRST_TOKEN_HANDOFF_S = 0.0001
 
 
 @dataclass(slots=True)
@@ -174,9 +176,17 @@ class EngineLoop:
                     self._dispatch(engine.step() if engine.has_unfinished() else [])
                     return
                 if engine.has_unfinished():
+                    t0 = time.monotonic() if ttft_trace.ENABLED else 0.0
                     deltas = engine.step()
+                    if ttft_trace.ENABLED:
+                        for d in deltas:
+                            if d.new_token_ids:
+                                ttft_trace.mark(d.request_id, "loop.step0", t0)
+                                ttft_trace.mark(d.request_id, "loop.tok0")
                     self._publish()            # before the sinks, which may take their time
                     self._dispatch(deltas)
+                    if any(d.new_token_ids and d.completion_tokens == len(d.new_token_ids) for d in deltas):
+                        time.sleep(FIRST_TOKEN_HANDOFF_S)
                     audit_due = audit_due or not engine.has_unfinished()
                 elif audit_due:
                     # Idle for IDLE_AUDIT_DELAY_S: audit the allocator (O(blocks), ~2 ms for 5k
@@ -217,6 +227,7 @@ class EngineLoop:
                 return True
 
     def _add(self, cmd: AddRequest) -> None:
+        ttft_trace.mark(cmd.request_id, "loop.add")
         try:
             self.engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.params, stream=cmd.stream,
                                     salt=cmd.salt, priority=cmd.priority, deadline=cmd.deadline)

@@ -4,7 +4,9 @@ Each custom-metric update is a blocking IPC round trip from the Python-backend s
 so nothing on the hot path touches a metric: the response thread puts one batch of typed events per
 step on a queue (``record``), and this module's thread applies them (counter events of a batch
 summed into one increment per label), and polls the engine loop's stats snapshot every
-``poll_interval`` seconds for the gauges and token counters (only changed values are written).
+``poll_interval`` seconds for the token counters (only changed values are written: they change
+every step, and were written after every batch, one IPC each per step), so those are at most that
+stale; the gauges (running, waiting, KV usage) are polled after every batch too.
 
 The metric objects come from a ``factory`` (the model.py adapter wraps ``pb_utils.MetricFamily``;
 tests pass a fake) with ``counter(name, doc, labels)``, ``gauge(...)`` and
@@ -16,6 +18,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -135,25 +138,33 @@ class ServingMetrics:
 
     # -- metrics thread --------------------------------------------------------------------
     def _run(self) -> None:
+        # The stats are polled every ``poll_interval`` (and at Flush / STOP), never per batch: the
+        # token counters change every engine step, so polling after each batch wrote them (one
+        # IPC round trip each, plus tritonserver's side of it) once per step and stream.
+        next_poll = time.monotonic() + self._poll_interval
         while True:
             try:
-                item = self._q.get(timeout=self._poll_interval)
+                item = self._q.get(timeout=max(0.0, next_poll - time.monotonic()))
             except queue.Empty:
-                self._safe_poll()
-                continue
+                item = None
             if item is STOP:
                 self._safe_poll()
                 return
-            try:
-                if isinstance(item, Flush):
-                    self._safe_poll()
-                    item.done.set()
-                else:
+            if item is not None:
+                try:
+                    if isinstance(item, Flush):
+                        self._safe_poll()
+                        next_poll = time.monotonic() + self._poll_interval
+                        item.done.set()
+                        continue
                     self._apply(item)
-            except Exception:               # noqa: BLE001 - a metric must never take serving down
-                log.exception("metric update %r failed", item)
-            if self._q.empty():
+                except Exception:           # noqa: BLE001 - a metric must never take serving down
+                    log.exception("metric update %r failed", item)
+            if time.monotonic() >= next_poll:
                 self._safe_poll()
+                next_poll = time.monotonic() + self._poll_interval
+            elif item is not None and self._q.empty():
+                self._safe_poll(full=False)     # the request gauges stay current (see _poll)
 
     def _apply(self, events: list[MetricEvent]) -> None:
         finished: Counter = Counter()
@@ -171,13 +182,17 @@ class ServingMetrics:
         for kind, n in rejected.items():
             self._rejected[kind].increment(n)
 
-    def _safe_poll(self) -> None:
+    def _safe_poll(self, full: bool = True) -> None:
         try:
-            self._poll()
+            self._poll(full)
         except Exception:                   # noqa: BLE001
             log.exception("polling engine stats failed")
 
-    def _poll(self) -> None:
+    def _poll(self, full: bool = True) -> None:
+        """Write the changed values. ``full=False`` (after each batch): only the gauges, which
+        change when a request starts or ends or a block fills (so a scrape right after a first
+        token or a final sees them); the token counters change every step and wait for the
+        interval's full poll."""
         s = self._stats_fn()
         healthy = self._healthy_fn()
         gauges = {"llm_num_requests_running": s.num_running, "llm_num_requests_waiting": s.num_waiting,
@@ -186,6 +201,8 @@ class ServingMetrics:
             if self._last_gauges.get(name) != value:
                 self._gauge[name].set(float(value))
                 self._last_gauges[name] = value
+        if not full:
+            return
         for name, (_, read) in STAT_COUNTERS.items():
             value = float(read(s))
             diff = value - self._last_counts[name]

@@ -83,6 +83,12 @@ class Preprocessor:
         return [int(t) for t in ids]
 
     def encode_prompt(self, text: str) -> list[int]:
+        # The Rust tokenizer directly: the same ids as ``self.tokenizer.encode(text)`` (pinned by
+        # tests/unit/test_serving_preprocess_encode.py) without transformers' Python wrapper, ~30 %
+        # of a prompt's encode time on the way to the first token.
+        rust = getattr(self.tokenizer, "_tokenizer", None)
+        if rust is not None:
+            return rust.encode(text).ids
         return [int(t) for t in self.tokenizer.encode(text)]
 
     def __call__(self, text_input: str | None, messages: str | None, params: dict) -> tuple[list[int], RequestSettings]:

@@ -13,10 +13,9 @@ A bad request costs the shim at most one body of ``max_body_bytes`` and a pydant
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import re
-
-import anyio
 
 from client.shim.errors import OpenAIError, invalid
 
@@ -63,9 +62,10 @@ class BodyLimit:
             await _send_error(send, too_large(self.max_bytes))
             return
         chunks: list[bytes] = []
-        with anyio.move_on_after(self.timeout) as deadline:      # a body trickled in forever
-            outcome = await self._read(receive, chunks)
-        if deadline.cancelled_caught:
+        try:            # asyncio's timer, not anyio's cancel scope: a fraction of its cost per request
+            async with asyncio.timeout(self.timeout):           # a body trickled in forever
+                outcome = await self._read(receive, chunks)
+        except TimeoutError:
             outcome = "slow"
         if outcome == "gone":
             return                                  # the client left before sending its body

@@ -17,6 +17,8 @@ import logging
 import anyio
 from starlette.responses import StreamingResponse
 
+from backend.serving import ttft_trace
+
 log = logging.getLogger("triton_llm.shim")
 
 
@@ -26,12 +28,46 @@ class BoundedSSE(StreamingResponse):
         self.write_timeout, self.name, self.on_close = write_timeout, name, on_close
         self.cut_off = False
 
+    async def __call__(self, scope, receive, send) -> None:
+        """Stream the body while one plain asyncio task watches for the client's disconnect, which
+        cancels the stream (its ``finally`` below closes the body generator: gRPC cancel + abort).
+        Starlette's own ``__call__`` runs an anyio task group per response for the same watch (a
+        spawned task, cancel scopes, a task repr on every cancel: ~0.2 ms of the shim's CPU per
+        request)."""
+        task = asyncio.current_task()
+        state = {"streaming": True, "gone": False}
+
+        async def watch() -> None:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    if state["streaming"]:
+                        state["gone"] = True
+                        task.cancel()
+                    return
+
+        watcher = asyncio.get_running_loop().create_task(watch())
+        try:
+            await self.stream_response(send)
+        except asyncio.CancelledError:
+            # the client left: the response ends here, as Starlette's task group ends it; a
+            # cancellation from anywhere else (server shutdown) goes on
+            if not state["gone"] or task.uncancel() > 0:
+                raise
+        finally:
+            state["streaming"] = False
+            watcher.cancel()
+        if self.background is not None:
+            await self.background()
+
     async def stream_response(self, send) -> None:
         try:
             await send({"type": "http.response.start", "status": self.status_code,
                         "headers": self.raw_headers})
             async for chunk in self.body_iterator:
                 body = chunk.encode(self.charset) if isinstance(chunk, str) else chunk
+                if ttft_trace.ENABLED:
+                    ttft_trace.mark(self.name, "shim.sse0")
                 # asyncio.timeout, not anyio.move_on_after: one timer handle per chunk instead of
                 # anyio's backend lookup + cancel scope (~10 % of the shim's CPU at 1 stream).
                 try:

@@ -523,3 +523,21 @@ def test_busy_stream_interval_holds_only_while_many_requests_are_open(clock):
     assert a.ids() == [[1], [2], [3, 4]] and b.ids() == [[1], [2, 3]]
     svc.responses.stream_interval = 0.2                   # an explicit stream_interval wins
     assert svc.responses.hold_interval() == 0.2
+
+
+def test_busy_hold_grows_with_the_open_streams_up_to_twice(clock):
+    """About the same responses per second at any load: the hold scales with the open requests
+    past busy_streams, capped at BUSY_SCALE_MAX times busy_stream_interval."""
+    svc = make_service(clock, busy_stream_interval=0.05)
+    svc.responses.busy_streams = 2
+    holds, responders = [], []
+    for i in range(6):
+        responders.append(submit(svc, rid=f"r{i}", max_tokens=20))
+        step(svc)
+        holds.append(svc.responses.hold_interval())
+    assert holds == pytest.approx([0.0, 0.05, 0.075, 0.1, 0.1, 0.1])
+    emit(svc, "r0", delta("r0", [1]))                     # a first token: sent
+    emit(svc, "r0", delta("r0", [2]), dt=0.06)            # 0.06 s after it: held at 6 open (0.1 s)
+    assert responders[0].ids() == [[1]]
+    emit(svc, "r0", delta("r0", [3]), dt=0.05)            # 0.11 s after the last send: both go
+    assert responders[0].ids() == [[1], [2, 3]]

@@ -64,3 +64,28 @@ def test_a_batch_is_one_increment_per_label():
         assert f.get("llm_queue_time_seconds").calls == [("observe", 0.5), ("observe", 0.0)]
     finally:
         m.stop()
+
+
+def test_token_counters_are_polled_at_the_interval_not_per_batch():
+    """The token counters change every step; each write is an IPC on the real server: batches of
+    events leave them alone (only the request gauges are polled per batch), a flush writes them."""
+    f = Factory()
+    calls = []
+
+    def growing_stats():                    # every poll sees more generated tokens and more running
+        calls.append(1)
+        s = stats()
+        s.generation_tokens = s.num_running = len(calls)
+        return s
+
+    m = ServingMetrics(f, stats=growing_stats, healthy=lambda: True, labels={"model": "engine"},
+                       poll_interval=60)
+    try:
+        for _ in range(20):
+            m.record([Observe("llm_inter_token_latency_seconds", 0.01)])
+        m.flush()
+        assert len(f.get("llm_inter_token_latency_seconds").calls) == 20
+        assert f.get("llm_generation_tokens_total").calls == [("increment", float(len(calls)))]
+        assert f.get("llm_num_requests_running").calls[-1] == ("set", float(len(calls)))
+    finally:
+        m.stop()

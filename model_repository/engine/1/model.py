@@ -13,6 +13,7 @@ from backend.serving.engine_service import Incoming, build_engine_service
 from backend.serving.errors import to_wire, triton_code
 from backend.serving.stub_exit import exit_stub
 from backend.serving.tensors import config_parameters, require_model_dir
+from backend.serving import ttft_trace
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -103,6 +104,8 @@ class TritonPythonModel:
 
     def execute(self, requests):
         for request in requests:
+            if ttft_trace.ENABLED:
+                ttft_trace.mark(request.request_id(), "eng.exec")
             tensor = pb_utils.get_input_tensor_by_name(request, P.INPUT_IDS)
             ids, oversize = None, 0
             if tensor is not None:

@@ -1,0 +1,103 @@
+"""Where a request's first token spends its time: an opt-in trace across the serving processes.
+
+With ``LLM_TTFT_TRACE=<dir>`` in the environment of the server and the shim (the stubs inherit
+tritonserver's), each process records ``(request id, event, time.monotonic())`` at the hops of a
+request's way to its first token -- one clock for every process of the host -- and a daemon
+thread appends them as JSON lines to ``<dir>/<process>-<pid>.jsonl`` about every 0.2 s. Events:
+
+    shim.recv        the shim's route handler starts (body parsed, key checked)
+    shim.grpc        the gRPC client hands the request to grpc (the stream is open)
+    pre.exec         preprocessing execute() starts    pre.done   its response is built
+    eng.exec         engine execute() has the request  eng.submit intake handed it to the loop
+    loop.add         the engine thread applied the add loop.step0 the step that sampled token 1 started
+    loop.tok0        that step's deltas are ready      rt.send0   the response thread starts its send
+    rt.sent0         the first send() returned         shim.grpc0 the shim parsed the first response
+    shim.sse0        the first SSE write starts
+
+``report(dir)`` joins them per request id (a shim request's id is the ensemble's) and prints the
+median gap between consecutive events: ``python -m backend.serving.ttft_trace <dir>``.
+Off by default: ``mark`` is then one global test.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import pathlib
+import statistics
+import sys
+import threading
+import time
+
+ENV = "LLM_TTFT_TRACE"
+ORDER = ("client.send", "shim.recv", "shim.grpc", "pre.exec", "pre.done", "eng.exec", "eng.submit", "loop.add",
+         "loop.step0", "loop.tok0", "rt.send0", "rt.sent0", "shim.grpc0", "shim.sse0", "client.tok0")
+
+_buf: collections.deque = collections.deque()
+_started = False
+_lock = threading.Lock()
+ENABLED = bool(os.environ.get(ENV))
+
+
+def mark(rid: str, event: str, at: float | None = None) -> None:
+    """Record ``event`` for request ``rid`` now (or at ``at``); nothing unless tracing is on."""
+    if not ENABLED:
+        return
+    _buf.append((rid, event, time.monotonic() if at is None else at))
+    if not _started:
+        _start()
+
+
+def _start() -> None:
+    global _started
+    with _lock:
+        if _started:
+            return
+        _started = True
+    name = pathlib.Path(sys.argv[0] or "python").name or "python"
+    path = pathlib.Path(os.environ[ENV]) / f"{name}-{os.getpid()}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def flush() -> None:
+        while True:
+            time.sleep(0.2)
+            lines = []
+            while _buf:
+                lines.append(json.dumps(_buf.popleft()))
+            if lines:
+                with open(path, "a") as f:
+                    f.write("\n".join(lines) + "\n")
+
+    threading.Thread(target=flush, name="ttft-trace", daemon=True).start()
+
+
+def load(directory: str | os.PathLike) -> dict[str, dict[str, float]]:
+    """request id -> event -> time (the first of each event)."""
+    out: dict[str, dict[str, float]] = collections.defaultdict(dict)
+    for p in pathlib.Path(directory).glob("*.jsonl"):
+        for line in p.read_text().splitlines():
+            rid, event, at = json.loads(line)
+            out[rid].setdefault(event, at)
+    return out
+
+
+def report(directory: str | os.PathLike) -> str:
+    reqs = load(directory)
+    gaps: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
+    totals = []
+    for events in reqs.values():
+        seq = [e for e in ORDER if e in events]
+        for a, b in zip(seq, seq[1:]):
+            gaps[(a, b)].append(events[b] - events[a])
+        if len(seq) >= 2:
+            totals.append(events[seq[-1]] - events[seq[0]])
+    lines = [f"{len(reqs)} requests; median gap between consecutive events (ms):"]
+    for (a, b), v in sorted(gaps.items(), key=lambda kv: ORDER.index(kv[0][0])):
+        lines.append(f"  {a:>11} -> {b:<11} {statistics.median(v) * 1e3:7.3f}   (n={len(v)})")
+    if totals:
+        lines.append(f"  first -> last event      {statistics.median(totals) * 1e3:7.3f}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(report(sys.argv[1]))
