@@ -8,7 +8,9 @@ round by round so background load hits every contender alike.
 Before/after a code change in one run: ``NAME@tree=DIR`` serves that contender's stack from another
 checkout (e.g. ``git archive <commit> | tar -x -C DIR``, with ``DIR/build`` linked to this tree's
 build/ for the cached models and kernels), in a child process with ``DIR`` as its working directory;
-the benchmark client stays this tree's.
+the benchmark client stays this tree's. The stubs import DIR's ``backend`` only since ``b4f97e5``
+(the model adapters put PYTHONPATH first); a DIR older than that needs those three lines in its
+``model_repository/*/1/model.py``, else its engine runs this tree's backend code.
 
 Per contender and load point: output tok/s, ITL p50, and the CPU time of every process involved
 (the benchmark process, tritonserver and its stubs, the shim) per output token -- CPU time is what
