@@ -188,12 +188,13 @@ def kernels(a) -> list[dict]:
     rows = []
     for n_out, k in shapes:
         w = torch.randn(n_out, k)
-        q8, q4 = layout.quantize(w, "int8", 32), layout.quantize(w, "int4", 32)
+        q8, q4 = layout.quantize_int8(w, a.int8_group), layout.quantize(w, "int4", 32)
         for m in a.ms:
             if n_out * m > 49152 * 64:
                 continue
             x = torch.randn(m, k)
-            g8 = lambda kern: bench(lambda: cpu.gemm(x, "int8", q8.qweight, q8.scales, None, k, k, None, kernel=kern))  # noqa: E731
+            g8 = lambda kern: bench(lambda: cpu.gemm(x, "int8", q8.qweight, q8.scales, None, q8.group_size, k, None,  # noqa: E731
+                                                     kernel=kern))
             r = {"N": n_out, "K": k, "M": m, "fp32_linear_us": bench(lambda: F.linear(x, w)),
                  "int8_blas_us": g8("blas"), "int8_f32a_us": g8("f32a"), "int8_a16_us": g8("a16"),
                  "int4_c_us": bench(lambda: cpu.gemm(x, "int4", q4.qweight, q4.scales, q4.zeros, 32, k, None))}
@@ -294,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="kernels: N x K")
     ap.add_argument("--ms", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32, 64, 128, 512], help="kernels: M")
     ap.add_argument("--torch-packed", action="store_true", help="kernels: torch's packed int8/int4 too")
+    ap.add_argument("--int8-group", type=int, default=None, help="kernels: int8 group size (default: per channel; "
+                    "32: GGUF Q8_0's layout)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", default=None)
