@@ -27,9 +27,11 @@ gets its own random prompts (the layouts share one pair: repeated prompts would 
 ``--trace DIR``: the decode server records its steps and GC pauses, this client every token's
 arrival, and each disaggregated round prints where its ITL went (backend/disagg/trace.py: engine
 vs delivery, step time by batch size, admission, GC). With it, ``layout+knob=value[,knob=value]``
-A/Bs decode-process settings in one run, e.g. ``isolate,isolate+cancel=1.0``: ``si`` (GIL switch
+A/Bs decode-process settings in one run, e.g. ``isolate,isolate+cancel=1.0`` (several: joined by
+``&``, e.g. ``isolate+metrics=0&offcore=llm-responses``): ``si`` (GIL switch
 interval, s), ``cancel`` (the response thread's is_cancelled() period, s), ``nice`` (the step
-thread's nice). This client's heap is frozen after start-up (``--client-gc``): its own full
+thread's nice), ``async`` (hand-overs of at least this many blocks are placed off the step; 8 by
+default, ``isolate+async=100000``: every KV fetch and write inside the step, as before). This client's heap is frozen after start-up (``--client-gc``): its own full
 collections (up to 240 ms) would otherwise be counted as ITL.
 """
 from __future__ import annotations
@@ -72,8 +74,10 @@ async def run_phase(client, a, seed: int, tag: str = "") -> dict:
         n = 0
         while time.monotonic() < t_end:
             prompt = [rng.randrange(5, 3000) for _ in range(a.stream_prompt)]
-            params = {"max_tokens": a.stream_tokens, "min_tokens": a.stream_tokens, "temperature": 0,
-                      "ignore_eos": True}
+            m = a.stream_tokens
+            if a.stagger and n == 0:               # stream k's first request is (k+1)/streams as long
+                m = max(1, (k + 1) * a.stream_tokens // a.streams)
+            params = {"max_tokens": m, "min_tokens": m, "temperature": 0, "ignore_eos": True}
             last = None
             ch_rid = f"s{seed}{tag}-{k}-{n}"
             agen = client.generate_ids(prompt, request_id=ch_rid, params=params)
@@ -128,8 +132,11 @@ async def run_phase(client, a, seed: int, tag: str = "") -> dict:
             "ttft_p99": pct(ttft, 0.99), "tok_s": tokens / a.seconds, "n_itl": len(itl), "n_ttft": len(ttft)}
 
 
-DEFAULT_KNOBS = {"switch_interval": 0.005, "cancel_check_interval": 0.02}   # what a layout without +knobs gets
-KNOB_ALIASES = {"si": "switch_interval", "nice": "step_nice", "cancel": "cancel_check_interval"}
+# what a layout without +knobs gets: Python's switch interval, the roles' own cancel-check period
+DEFAULT_KNOBS = {"switch_interval": 0.005, "cancel_check_interval": 1.0, "admit_async_min_blocks": 8,
+                 "metrics_ipc": 1, "offcore": "none"}
+KNOB_ALIASES = {"si": "switch_interval", "nice": "step_nice", "cancel": "cancel_check_interval",
+                "async": "admit_async_min_blocks", "metrics": "metrics_ipc"}
 
 
 async def warm_up(client) -> None:
@@ -188,6 +195,11 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--stream-prompt", type=int, default=32)
     ap.add_argument("--stream-tokens", type=int, default=256)
+    ap.add_argument("--stagger", action="store_true",
+                    help="stagger the steady streams: stream k's first request generates (k+1)/streams of "
+                         "--stream-tokens, so their restarts (and context lengths) spread out instead of all "
+                         "streams growing from the prompt to prompt+tokens together (a decode step's cost "
+                         "grows with the batch's total context: 1.45 x over a synchronized cycle here)")
     ap.add_argument("--burst", type=int, default=4)
     ap.add_argument("--burst-len", type=int, default=768)
     ap.add_argument("--burst-tokens", type=int, default=16)
@@ -249,7 +261,7 @@ def main() -> None:
                 else:
                     base, _, knobs = layout.partition("+")
                     if a.trace:                      # e.g. isolate+switch_interval=0.001
-                        kv = {KNOB_ALIASES.get(k, k): v for k, v in (x.split("=") for x in knobs.split(",") if x)}
+                        kv = {KNOB_ALIASES.get(k, k): v for k, v in (x.split("=") for x in knobs.split("&") if x)}
                         for k, v in DEFAULT_KNOBS.items():
                             kv.setdefault(k, v)
                         with open(os.path.join(a.trace, "control.json"), "w") as f:
@@ -274,7 +286,7 @@ def main() -> None:
     finally:
         unified.stop()
         pair.stop()
-    print(f"\npreset={a.preset} streams={a.streams}x{a.stream_tokens} tok, bursts {a.burst}x{a.burst_len}-token "
+    print(f"\npreset={a.preset} streams={a.streams}x{a.stream_tokens} tok{' staggered' if a.stagger else ''}, bursts {a.burst}x{a.burst_len}-token "
           f"prompts every {a.burst_every}s ({a.burst_tokens} tok each), {a.seconds}s x {a.rounds} rounds, "
           f"cpus={a.cpus}, connector={a.connector}, host cores={os.cpu_count()}, "
           f"loadavg={os.getloadavg()[0]:.1f}")

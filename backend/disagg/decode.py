@@ -12,6 +12,15 @@ step, ``admit_pending()``, which for each record in arrival order:
      and marks the prompt computed, so the next step decodes the first token's successor;
   4. returns the first token's delta (TTFT includes the hand-over).
 
+Large hand-overs off the step path (``placer``, a ``KVPlacer``; the decode server uses one): step 2
+runs on the engine thread, but the fetch and the KV write of a record of at least
+``async_min_blocks`` blocks run on the placer's own thread while the engine keeps stepping (the
+blocks are allocated to the request and not in the scheduler yet, so no step reads them); a later
+``admit_pending`` collects it (commit, schedule, first token). ``serve --disagg`` pins that thread
+to the prefill CPUs (``apply_layout``), so a 512-token prompt's 7 MB copy and its page faults no
+longer lengthen one decode step by 4-7 ms. An abort meanwhile ends the stream at once and frees the
+blocks when the write is done.
+
 A record whose KV is unusable (transfer failed, nothing staged, pool shape differs) is admitted
 as an ordinary waiting request carrying its first token: this engine recomputes the prompt, so
 the output is the same, only later. Never a wrong answer: no KV is written unless the whole
@@ -19,6 +28,8 @@ fetched range arrived with the expected shape.
 """
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from dataclasses import dataclass
 
@@ -40,20 +51,97 @@ class DecodeStats:
     fetched_blocks: int = 0
     prefix_hit_blocks: int = 0      # blocks not fetched because this pool had them
     fetch_seconds: float = 0.0
+    placed_async: int = 0           # of admitted + recomputed: fetched and written by the placer
+
+
+PLACER_THREAD = "kv-admit"          # the placer thread's name (also at the OS level, for apply_layout)
+ASYNC_MIN_BLOCKS = 8                # fetch + write of records this large go to the placer (128 tokens)
+
+
+class _Job:
+    """One record's fetch + KV write on the placer thread."""
+    __slots__ = ("rec", "req", "seq", "first", "block_ids", "done", "error", "seconds", "aborted")
+
+    def __init__(self, rec, req, seq, first: int, block_ids: list[int]) -> None:
+        self.rec, self.req, self.seq, self.first, self.block_ids = rec, req, seq, first, block_ids
+        self.done = threading.Event()
+        self.error: Exception | None = None
+        self.seconds = 0.0
+        self.aborted = False                        # engine thread only
+
+
+class KVPlacer:
+    """A thread that fetches hand-overs' KV and writes it into blocks the engine thread allocated.
+    It touches no engine state but those blocks' storage; everything else (allocation, commit,
+    scheduling, freeing) stays on the engine thread. Started at once (it exists before the
+    server's threads are placed) and named at the OS level (``PLACER_THREAD``)."""
+
+    def __init__(self, connector: KVConnector, storage) -> None:
+        self.connector = connector
+        self.storage = storage
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=PLACER_THREAD, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: _Job) -> None:
+        self._q.put(job)
+
+    def close(self) -> None:
+        self._q.put(None)
+
+    def _run(self) -> None:
+        try:
+            with open(f"/proc/self/task/{threading.get_native_id()}/comm", "w") as f:
+                f.write(PLACER_THREAD)
+        except OSError:
+            pass
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            t0 = time.perf_counter()
+            try:
+                rec = job.rec
+                data = self.connector.fetch(rec.locator, job.first, rec.num_blocks - job.first)
+                self.storage.write_blocks(job.block_ids, data)
+                del data                            # shm: unmapped here, off the decode core
+            except TransferError as exc:
+                job.error = exc
+            except Exception as exc:                # noqa: BLE001 - any failure: recompute
+                job.error = TransferError(f"{type(exc).__name__}: {exc}")
+            job.seconds = time.perf_counter() - t0
+            job.done.set()
 
 
 class DecodeRole:
-    def __init__(self, engine, connector: KVConnector):
+    def __init__(self, engine, connector: KVConnector, placer: KVPlacer | None = None,
+                 async_min_blocks: int = ASYNC_MIN_BLOCKS):
         self.engine = engine
         self.connector = connector
         self.pending: dict[str, Handover] = {}       # insertion order = arrival order
         self.stats = DecodeStats()
+        self.placer = placer
+        self.async_min_blocks = async_min_blocks     # bench A/B: a huge value = all inline
+        self.placing: dict[str, _Job] = {}           # on the placer, in submission order
+
+    def busy(self) -> bool:
+        """Records not admitted yet, or being placed."""
+        return bool(self.pending) or bool(self.placing)
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self.pending or request_id in self.placing
 
     def submit(self, record: Handover) -> None:
         self.pending[record.request_id] = record
 
     def abort(self, request_id: str) -> list[StepDelta] | None:
-        """Abort a hand-over not admitted yet (its staged KV is dropped); None if not pending."""
+        """Abort a hand-over not admitted yet (its staged KV is dropped; one being placed frees
+        its blocks once the placer is done with them); None if not pending."""
+        job = self.placing.get(request_id)
+        if job is not None and not job.aborted:
+            job.aborted = True
+            self.stats.aborted_pending += 1
+            return [_final(job.rec, "abort", None)]
         rec = self.pending.pop(request_id, None)
         if rec is None:
             return None
@@ -65,7 +153,7 @@ class DecodeRole:
     def admit_pending(self, limit: int | None = None) -> list[StepDelta]:
         """Admit pending records in arrival order; at most ``limit`` per call (each costs a fetch
         and a KV write before the next decode step: a burst spread over steps keeps ITL even)."""
-        deltas: list[StepDelta] = []
+        deltas = self.collect() if self.placing else []
         for rid in list(self.pending)[:limit]:
             out = self._admit(self.pending[rid])
             if out is None:
@@ -73,6 +161,39 @@ class DecodeRole:
             del self.pending[rid]
             deltas += out
         return deltas
+
+    def collect(self) -> list[StepDelta]:
+        """Records the placer finished: schedule them (KV written) or recompute (transfer
+        failed); an aborted one only frees its blocks."""
+        eng, sched, kv = self.engine, self.engine.scheduler, self.engine.kv
+        deltas: list[StepDelta] = []
+        for rid, job in list(self.placing.items()):
+            if not job.done.is_set():
+                break                                 # one FIFO thread: the rest are later
+            del self.placing[rid]
+            seq = job.seq
+            if job.aborted:
+                kv.free(seq.seq_id)
+                self._drop(job.rec)
+                continue
+            if job.error is not None:
+                kv.free(seq.seq_id)
+                self._drop(job.rec)
+                self.stats.recomputed += 1
+                sched.add_request(job.req)
+            else:
+                self._placed(job.rec, seq, job.first)
+                self.stats.fetch_seconds += job.seconds
+                sched.add_request(job.req, computed=True)
+                self.stats.admitted += 1
+            deltas += make_deltas([seq], eng.stop_checker)
+        return deltas
+
+    def wait_placing(self, timeout: float) -> None:
+        """Nothing else to do: wait (at most ``timeout`` s) for the oldest placement."""
+        for job in self.placing.values():
+            job.done.wait(timeout)
+            return
 
     # -- one record ---------------------------------------------------------------------------
     def _admit(self, rec: Handover) -> list[StepDelta] | None:
@@ -87,7 +208,7 @@ class DecodeRole:
             self.stats.rejected += 1
             err = exc if isinstance(exc, EngineError) else internal(f"bad hand-over: {exc}")
             return [_final(rec, "error", err)]
-        if len(sched.running) + 1 > eng.args.max_num_seqs:
+        if len(sched.running) + len(self.placing) + 1 > eng.args.max_num_seqs:
             return None
         now = time.monotonic()
         req = Request(rec.request_id, list(rec.prompt_token_ids), params, max_tokens=min(max_tokens, rec.max_tokens),
@@ -113,9 +234,11 @@ class DecodeRole:
         why = rec.check(vocab_size=eng.vocab_size, block_size=kv.block_size,
                         block_shape=kv.storage.block_shape, dtype=kv.storage.dtype)
         if why is None and rec.locator is not None:
-            placed = self._place(rec, seq)
+            placed = self._place(rec, seq, req)
             if placed is None:
                 return None                         # no room yet; nothing changed
+            if placed == "async":
+                return []                           # collect() schedules it once written
             if placed:
                 sched.add_request(req, computed=True)
                 self.stats.admitted += 1
@@ -127,9 +250,10 @@ class DecodeRole:
         sched.add_request(req)
         return make_deltas([seq], eng.stop_checker)
 
-    def _place(self, rec: Handover, seq) -> bool | None:
+    def _place(self, rec: Handover, seq, req=None) -> bool | str | None:
         """Allocate, fetch and write the prompt's KV. True = done; False = transfer failed
-        (nothing held); None = no room (nothing held, the KV stays staged)."""
+        (nothing held); None = no room (nothing held, the KV stays staged); "async" = the
+        blocks are allocated and the placer fetches and writes them (``collect``)."""
         kv = self.engine.kv
         n = rec.num_kv_tokens
         cached = kv.acquire_prefix(seq.seq_id, rec.prompt_token_ids, rec.salt)
@@ -139,6 +263,13 @@ class DecodeRole:
             kv.free(seq.seq_id)
             return None
         first = cached // kv.block_size
+        if (self.placer is not None and req is not None and rec.num_blocks - first >= self.async_min_blocks
+                and self.engine.has_unfinished()):  # streams to keep even; else inline is sooner
+            job = _Job(rec, req, seq, first, kv.block_table(seq.seq_id)[first:rec.num_blocks])
+            self.placing[rec.request_id] = job
+            self.stats.placed_async += 1
+            self.placer.submit(job)
+            return "async"
         t0 = time.perf_counter()
         try:
             data = self.connector.fetch(rec.locator, first, rec.num_blocks - first)
@@ -150,11 +281,16 @@ class DecodeRole:
         kv.storage.write_blocks(table[first:rec.num_blocks], data)
         self.connector.discard(data)                  # shm: unmapped on its releaser thread
         del data
-        kv.commit(seq.seq_id, seq.token_ids, n)       # the prompt's full blocks join this prefix cache
+        self._placed(rec, seq, first)
+        return True
+
+    def _placed(self, rec: Handover, seq, first: int) -> None:
+        """The prompt's KV is in this pool: commit it and mark the prompt computed."""
+        n = rec.num_kv_tokens
+        self.engine.kv.commit(seq.seq_id, seq.token_ids, n)   # the prompt's full blocks join this prefix cache
         seq.num_computed_tokens = seq.high_water = n
         self.stats.fetched_blocks += rec.num_blocks - first
         self.stats.prefix_hit_blocks += first
-        return True
 
     def _drop(self, rec: Handover) -> None:
         if rec.locator is not None:

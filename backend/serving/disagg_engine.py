@@ -36,7 +36,7 @@ from typing import Any
 
 from backend import protocol as P
 from backend.disagg.connector import KVConnector, make_connector
-from backend.disagg.decode import DecodeRole
+from backend.disagg.decode import DecodeRole, KVPlacer
 from backend.disagg.handover import Handover
 from backend.disagg.prefill import PrefillRole
 from backend.disagg.trace import StepTrace
@@ -136,12 +136,69 @@ def apply_knobs(knobs: dict) -> None:
             rt = getattr(getattr(t, "_target", None), "__self__", None)
             if t.name == "llm-responses" and hasattr(rt, "cancel_check_interval"):
                 rt.cancel_check_interval = float(knobs["cancel_check_interval"])   # requests opened from now on
+    if "metrics_ipc" in knobs:                  # A/B only: 0 = no metric IPC from this stub (see _mute_metrics)
+        _mute_metrics(not int(knobs["metrics_ipc"]))
+    if "offcore" in knobs:                      # A/B only: these threads (OS names, '/') off the engine's cpus
+        mine = os.sched_getaffinity(0)              # the engine thread's
+        other = set(range(os.cpu_count() or 1)) - mine or mine
+        names = set(str(knobs["offcore"]).split("/"))
+        for t in threading.enumerate():
+            if t.native_id is not None and t.name in names:
+                try:
+                    os.sched_setaffinity(t.native_id, other)
+                except OSError:
+                    pass
+        for t in threading.enumerate():
+            if t.native_id is not None and t.name not in names and t.name in _OFFCORE_SEEN:
+                try:
+                    os.sched_setaffinity(t.native_id, mine)
+                except OSError:
+                    pass
+        _OFFCORE_SEEN.update(names)
     if "step_nice" in knobs:                    # this (the engine) thread's nice value
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), int(knobs["step_nice"]))
         except OSError:
             pass
     log.warning("decode knobs now %s (switch interval %.4f s)", knobs, sys.getswitchinterval())
+
+
+class _NoMetric:
+    def observe(self, *_a) -> None: ...
+    def increment(self, *_a) -> None: ...
+    def set(self, *_a) -> None: ...
+
+
+_muted: dict = {}
+_OFFCORE_SEEN: set = set()
+
+
+def _mute_metrics(mute: bool) -> None:
+    """Bench A/B: replace (or put back) every metric object of this stub's metrics threads with a
+    no-op. Each pb_utils metric call is an IPC round trip to tritonserver that holds the GIL
+    while it waits (the Python backend's Metric binding does not release it), once per streamed
+    token for the ITL histogram."""
+    for t in threading.enumerate():
+        owner = getattr(getattr(t, "_target", None), "__self__", None)
+        if owner is None or t.name not in ("llm-metrics", "llm-disagg-metrics"):
+            continue
+        for attr in ("_hist", "_gauge", "_stat_counter", "_finished", "_rejected", "_counters", "_outcomes",
+                     "_depth", "_staged"):
+            d = getattr(owner, attr, None)
+            key = (id(owner), attr)
+            if d is None:
+                continue
+            if mute and key not in _muted:
+                if isinstance(d, dict):
+                    _muted[key] = dict(d)
+                    for k in d:
+                        d[k] = _NoMetric()
+                else:
+                    _muted[key] = d
+                    setattr(owner, attr, _NoMetric())
+            elif not mute and key in _muted:
+                old = _muted.pop(key)
+                d.update(old) if isinstance(d, dict) else setattr(owner, attr, old)
 
 
 ADMIT_PER_STEP = 2                  # hand-overs admitted per decode step while streams are running
@@ -154,7 +211,10 @@ class DecodeEngine(_Wrapped):
     def __init__(self, engine, connector: KVConnector) -> None:
         super().__init__(engine)
         self.connector = connector
-        self.role = DecodeRole(engine, connector)
+        # large hand-overs are fetched and written on the placer thread (on the prefill CPUs under
+        # serve --disagg's layouts), not inside a decode step
+        self.placer = KVPlacer(connector, engine.kv.storage) if engine.kv.storage is not None else None
+        self.role = DecodeRole(engine, connector, self.placer)
         self.records: dict[str, Handover] = {}      # submitted, not applied by the engine thread yet
         self._staged_at: dict[str, float] = {}
         self.handover_seconds: collections.deque = collections.deque(maxlen=4096)   # for RoleMetrics
@@ -165,14 +225,14 @@ class DecodeEngine(_Wrapped):
         rec = self.records.pop(request_id, None)
         if rec is None:
             return self._engine.add_request(request_id, prompt_token_ids, params, **kw)
-        if request_id in self.role.pending or request_id in self._engine.scheduler.requests:
+        if self.role.holds(request_id) or request_id in self._engine.scheduler.requests:
             self.connector.release(rec.locator) if rec.locator else None
             raise duplicate_id(request_id)
         self._staged_at[request_id] = float(rec.extra.get("staged_at", 0.0) or 0.0)
         self.role.submit(rec)
 
     def has_unfinished(self) -> bool:
-        return self._engine.has_unfinished() or bool(self.role.pending)
+        return self._engine.has_unfinished() or self.role.busy()
 
     def step(self) -> list[StepDelta]:
         if not self._named:
@@ -183,6 +243,8 @@ class DecodeEngine(_Wrapped):
         knobs = self.trace.control()
         if knobs:
             apply_knobs(knobs)
+            if "admit_async_min_blocks" in knobs:     # A/B: a huge value = every fetch inside the step
+                self.role.async_min_blocks = int(knobs["admit_async_min_blocks"])
         t0 = time.monotonic()
         running = len(self._engine.scheduler.running)
         deltas = self._step()
@@ -192,8 +254,10 @@ class DecodeEngine(_Wrapped):
 
     def _step(self) -> list[StepDelta]:
         # a burst of records is admitted over several steps, so no single step stalls the streams
-        admitted = self.role.admit_pending(ADMIT_PER_STEP if self._engine.has_unfinished() else None) \
-            if self.role.pending else []
+        running = self._engine.has_unfinished()
+        admitted = self.role.admit_pending(ADMIT_PER_STEP if running else None) if self.role.busy() else []
+        if not admitted and not running and self.role.placing:
+            self.role.wait_placing(0.005)           # only placements in flight: no busy loop
         if admitted:
             now = time.time()
             for d in admitted:
@@ -213,9 +277,11 @@ class DecodeEngine(_Wrapped):
         return self._engine.abort_request(request_id)
 
     def queue_depth(self) -> int:
-        return len(self.role.pending) + self._engine.scheduler.num_waiting
+        return len(self.role.pending) + len(self.role.placing) + self._engine.scheduler.num_waiting
 
     def close_role(self) -> None:
+        if self.placer is not None:
+            self.placer.close()
         self.connector.close()
         if self.trace is not None:
             self.trace.close()

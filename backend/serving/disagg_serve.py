@@ -138,6 +138,26 @@ def sched_tree(pid: int, *, nice: int = 0, policy: int = os.SCHED_OTHER, include
     return n
 
 
+def pin_named(pid: int, names: tuple[str, ...], cpus: set[int]) -> int:
+    """Pin the threads of ``pid``'s descendants whose OS name (comm) is one of ``names``."""
+    n = 0
+    for tid in tree_tids(pid, include_root=False):
+        try:
+            with open(f"/proc/{tid}/comm") as f:
+                if f.read().strip() not in names:
+                    continue
+            os.sched_setaffinity(tid, cpus)
+            n += 1
+        except OSError:
+            pass
+    return n
+
+
+# decode-stub threads that do no token-path work and whose work is GIL-free (memcpy, page faults,
+# munmap): on the prefill CPUs under isolate / idle / split, so that they never take the decode
+# engine's core (backend/disagg/decode.py KVPlacer: a hand-over's fetch + KV write)
+OFF_DECODE_THREADS = ("kv-admit",)
+
 LAYOUTS = ("isolate", "idle", "split", "stubs", "tree")
 PREFILL_NICE = 19            # isolate / split: the prefill engine yields its core at once
 TOKEN_PATH_NICE = -10        # isolate / split: the decode server, the prefill front end and ``others``
@@ -154,7 +174,9 @@ def apply_layout(pair: "DisaggServers", layout: str, cpus: tuple[set[int], set[i
             SCHED_BATCH / nice 19 so that the front ends, which carry every token to the client,
             preempt it at once. The token path (decode server, prefill front end, ``others``) at
             nice -10 where allowed (CAP_SYS_NICE), against other jobs on the host. Measured: the
-            lowest ITL p99 and p99/p50 (2.0-2.7 x), at ~1.4 x the median of ``stubs``.
+            lowest ITL p99 and p99/p50 (2.0-2.7 x), at ~1.4 x the median of ``stubs``. The decode
+            stub's hand-over copy thread (``OFF_DECODE_THREADS``) goes to the prefill cpus too
+            (isolate, idle, split).
     idle    isolate with the prefill engine at SCHED_IDLE (any waking thread preempts it; it
             runs only on otherwise idle time of its cpus, so other jobs on the host starve it)
     split   isolate, but the decode front end and ``others`` free on all cpus (a response from
@@ -184,6 +206,7 @@ def apply_layout(pair: "DisaggServers", layout: str, cpus: tuple[set[int], set[i
             for pid in others:
                 pin_tree(pid, pre)
         pin_tree(pair.decode.proc.pid, dec, include_root=False)       # decode engine
+        pin_named(pair.decode.proc.pid, OFF_DECODE_THREADS, pre)      # its hand-over KV copies
         sched_tree(pair.decode.proc.pid, nice=TOKEN_PATH_NICE)
         for pid in [pair.prefill.proc.pid, *others]:
             sched_tree(pid, nice=TOKEN_PATH_NICE, descendants=pid != pair.prefill.proc.pid)

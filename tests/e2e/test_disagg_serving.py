@@ -163,10 +163,10 @@ def test_cancel_during_prefill_transfer_and_decode_frees_both_sides(pair):
                 await task
             await asyncio.gather(*busy)
             await disagg.wait_aborts()
+            wait_metric(pair.prefill, lambda s: metric(s, "llm_requests_aborted_total")
+                        == metric(before, "llm_requests_aborted_total") + 1, timeout=10)   # polled counters
             _freed(pair.prefill, "prefill")
             _freed(pair.decode, "decode")
-            after = scrape(pair.prefill)
-            assert metric(after, "llm_requests_aborted_total") == metric(before, "llm_requests_aborted_total") + 1
 
             # 2. during transfer: the record is out, its KV staged on the prefill host, and the
             #    continuation never reaches the decode server
@@ -191,10 +191,12 @@ def test_cancel_during_prefill_transfer_and_decode_frees_both_sides(pair):
                     break
             await agen.aclose()                  # as the shim does when its client goes away
             await disagg.wait_aborts()
+            # the counters are polled (0.1 s): wait for the abort to show before checking the
+            # gauges, which were 0 before this request too
+            wait_metric(pair.decode, lambda s: metric(s, "llm_requests_aborted_total")
+                        == metric(before, "llm_requests_aborted_total") + 1, timeout=10)
             _freed(pair.decode, "decode")
             _freed(pair.prefill, "prefill")
-            snap = scrape(pair.decode)
-            assert metric(snap, "llm_requests_aborted_total") == metric(before, "llm_requests_aborted_total") + 1
             assert got < 200
         finally:
             await disagg.close()

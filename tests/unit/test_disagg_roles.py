@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import queue
+import threading
+import time
 
 import pytest
 
@@ -87,3 +89,90 @@ def test_abort_after_the_hand_over_releases_the_staged_kv(loops):
 
 def test_a_unified_loop_takes_no_records():
     assert not getattr(EngineLoop, "accepts_handover", False) and DecodeLoop.accepts_handover
+
+
+LONG = [(11 * i) % 3000 + 5 for i in range(200)]       # 13 blocks: fetched and written by the placer
+
+
+def _handover(pre, rid: str, prompt: list[int]) -> str:
+    q: queue.Queue = queue.Queue()
+    pre.submit(rid, prompt, PARAMS, sink=q)
+    (final,) = _drain(q)
+    assert final.finish_reason == "handover"
+    return final.handover
+
+
+def _unified(prompt: list[int]) -> list[int]:
+    eng = LLMEngine(model_dir("tiny"), _args("unified"))
+    eng.add_request("u", prompt, PARAMS)
+    toks = []
+    while eng.has_unfinished():
+        for d in eng.step():
+            toks += d.new_token_ids
+    return toks
+
+
+class _GatedConnector:
+    """The decode connector, but fetch waits until the test opens the gate."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.gate, self.entered = inner, threading.Event(), threading.Event()
+
+    def fetch(self, *a):
+        self.entered.set()
+        assert self.gate.wait(30)
+        return self.inner.fetch(*a)
+
+
+def _wait_for(cond, timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.005)
+
+
+def test_a_large_hand_over_is_placed_off_the_step_while_streams_run(loops):
+    """While a stream decodes, a 200-token prompt's KV is fetched and written by the placer
+    thread (not inside a step) and the continuation equals the unified engine's."""
+    pre, dec = loops["prefill"], loops["decode"]
+    busy: queue.Queue = queue.Queue()
+    dec.submit("busy1", PROMPT, SamplingParams(temperature=0, max_tokens=400, min_tokens=400), sink=busy)
+    _wait_for(lambda: dec.engine.scheduler.running)
+    before = dec.engine.role.stats.placed_async
+    q: queue.Queue = queue.Queue()
+    dec.submit("long1", LONG, PARAMS, sink=q, handover=_handover(pre, "long1", LONG))
+    assert [t for d in _drain(q) for t in d.new_token_ids] == _unified(LONG)
+    assert dec.engine.role.stats.placed_async == before + 1 and dec.engine.role.stats.recomputed == 0
+    assert dec.abort("busy1").result(timeout=10) is not None
+    _drain(busy)
+    _wait_for(lambda: dec.engine.kv.stats().num_used_blocks == 0)
+    assert not dec.engine.role.placing and pre.engine.connector.num_staged() == 0
+
+
+def test_abort_while_the_placer_writes_frees_the_blocks_once_it_is_done(loops):
+    pre, dec = loops["prefill"], loops["decode"]
+    placer = dec.engine.placer
+    gated = _GatedConnector(placer.connector)
+    placer.connector = gated
+    try:
+        busy: queue.Queue = queue.Queue()
+        dec.submit("busy2", PROMPT, SamplingParams(temperature=0, max_tokens=400, min_tokens=400), sink=busy)
+        _wait_for(lambda: dec.engine.scheduler.running)
+        q: queue.Queue = queue.Queue()
+        other = LONG[::-1]                                 # not in the decode pool's prefix cache
+        dec.submit("long2", other, PARAMS, sink=q, handover=_handover(pre, "long2", other))
+        assert gated.entered.wait(30)                      # its blocks are allocated, the copy waits
+        held = dec.engine.kv.stats().num_used_blocks
+        assert dec.abort("long2").result(timeout=10) is not None
+        (final,) = _drain(q)
+        assert final.finish_reason == "abort" and final.new_token_ids == []
+        assert dec.engine.kv.stats().num_used_blocks == held   # not freed under the placer's writes
+        gated.gate.set()
+        _wait_for(lambda: not dec.engine.role.placing)
+        assert dec.abort("busy2").result(timeout=10) is not None
+        _drain(busy)
+        _wait_for(lambda: dec.engine.kv.stats().num_used_blocks == 0)
+        assert dec.engine.role.stats.aborted_pending >= 1 and dec.engine.role.stats.admitted >= 1
+        assert pre.engine.connector.num_staged() == 0         # the segment was consumed or released
+    finally:
+        placer.connector = gated.inner
