@@ -143,6 +143,9 @@ static void w8_pair_4(const float *x, int64_t ldx, const int8_t *w0, const int8_
     }
 }
 
+#ifndef W8_STREAMS
+#define W8_STREAMS 4
+#endif
 /* Weight-only path: fp32 activations, weights dequantized in registers (exported for A/B). */
 void w8_gemm_f32a(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *w, const uint16_t *scales,
                   int64_t G, const float *bias, int64_t N, float *y, int64_t ldy, int nthreads) {
@@ -173,8 +176,13 @@ void w8_gemm_f32a(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_
         if (m4 == M) return;
         x += m4 * ldx; y += m4 * ldy; M -= m4;       /* 1..3 rows left: the loop below */
     }
+    /* One row per call, per channel: W8_STREAMS consecutive rows taken from as many parts of the row
+     * range (as many DRAM streams side by side): 1.13-1.19x on 80 MB of SmolLM2-shaped weights; at
+     * M = 2-4 and with groups of 32 it was 0.90-0.97x, so those keep one stream. */
+    const int64_t S = M == 1 && G >= K ? W8_STREAMS : 1, qn = N / S;
     #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
+    for (int64_t j = 0; j < N; j++) {
+        int64_t n = j < S * qn ? (j % S) * qn + j / S : j;
         const int8_t *wr = w + n * K;
         const uint16_t *sc = scales + n * ng;
         float acc[MT_MAX];
