@@ -15,6 +15,7 @@ tests pass a fake) with ``counter(name, doc, labels)``, ``gauge(...)`` and
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import queue
 import threading
@@ -69,6 +70,10 @@ REJECTED = "llm_requests_rejected_total"
 REJECT_KINDS = WIRE_KINDS                   # the wire tags: a deadline is "unavailable"
 
 
+def _histogram(factory: Any, name: str, doc: str, labels: dict[str, str], buckets: list[float]) -> Any:
+    return factory.histogram(name, doc, labels, buckets)
+
+
 @dataclass(frozen=True, slots=True)
 class Observe:
     """One histogram observation (seconds)."""
@@ -97,12 +102,54 @@ class Flush:
     done: threading.Event
 
 
+# Histograms observed once per streamed response: one pb_utils ``observe`` each would be a blocking
+# IPC round trip per response, made with the GIL held (python_backend's Metric calls do not release
+# it; H4's decode-server trace: ~7 % of the decode core). These are kept here as bucket counts and
+# written at the stats poll under Prometheus's histogram series names (``<name>_bucket{le=...}``,
+# ``<name>_sum``, ``<name>_count``): the series PromQL's ``histogram_quantile`` and the load
+# harness read, for a few writes per poll.
+COUNTED_HISTOGRAMS = frozenset({"llm_inter_token_latency_seconds"})
+
+
+class CountedHistogram:
+    """A histogram observed locally (no IPC) and written by ``flush`` (metrics thread) as gauges
+    holding the cumulative values (Triton suffixes counter families with ``_total``, which would
+    rename the series): only the changed ones, one ``set`` each."""
+
+    def __init__(self, factory: Any, name: str, doc: str, labels: dict[str, str], buckets: list[float]) -> None:
+        self.bounds = list(buckets)
+        les = [format(b, "g") for b in self.bounds] + ["+Inf"]
+        self._bucket = [factory.gauge(f"{name}_bucket", doc, {**labels, "le": le}) for le in les]
+        self._sum = factory.gauge(f"{name}_sum", doc, labels)
+        self._count = factory.gauge(f"{name}_count", doc, labels)
+        self._counts = [0] * len(les)        # per bucket (not cumulative) since the start
+        self._total = 0.0
+        self._written: list[float | None] = [None] * (len(les) + 2)    # buckets, sum, count
+
+    def observe(self, value: float) -> None:
+        self._counts[bisect.bisect_left(self.bounds, value)] += 1
+        self._total += value
+
+    def flush(self) -> None:
+        values, cumulative = [], 0
+        for n in self._counts:
+            cumulative += n
+            values.append(float(cumulative))
+        values += [self._total, float(cumulative)]
+        for i, (metric, v) in enumerate(zip(self._bucket + [self._sum, self._count], values)):
+            if self._written[i] != v:
+                metric.set(v)
+                self._written[i] = v
+
+
 class ServingMetrics:
     def __init__(self, factory: Any, *, stats: Callable[[], Any], healthy: Callable[[], bool],
                  labels: dict[str, str] | None = None, poll_interval: float = 0.1) -> None:
         labels = dict(labels or {})
         self._factory = factory             # keeps pb_utils MetricFamily objects alive
-        self._hist = {n: factory.histogram(n, doc, labels, buckets) for n, (doc, buckets) in HISTOGRAMS.items()}
+        self._hist = {n: (CountedHistogram if n in COUNTED_HISTOGRAMS else _histogram)(
+            factory, n, doc, labels, buckets) for n, (doc, buckets) in HISTOGRAMS.items()}
+        self._counted = [self._hist[n] for n in HISTOGRAMS if n in COUNTED_HISTOGRAMS]
         self._gauge = {n: factory.gauge(n, doc, labels) for n, doc in GAUGES.items()}
         self._stat_counter = {n: factory.counter(n, doc, labels) for n, (doc, _) in STAT_COUNTERS.items()}
         self._finished = {r: factory.counter(FINISHED, "Finished choices by finish reason",
@@ -203,6 +250,8 @@ class ServingMetrics:
                 self._last_gauges[name] = value
         if not full:
             return
+        for h in self._counted:
+            h.flush()
         for name, (_, read) in STAT_COUNTERS.items():
             value = float(read(s))
             diff = value - self._last_counts[name]

@@ -43,6 +43,9 @@ def test_metric_values_match_the_requests(triton_server):
 
     after, _ = wait_metric(triton_server, lambda s: d(s, FINISHED, reason="length") >= 3, timeout=2)
     after, _ = wait_metric(triton_server, lambda s: d(s, "llm_generation_tokens_total") >= 13, timeout=2)
+    # the ITL histogram is counted in the stub and written at the 0.1 s poll (metrics.py)
+    after, _ = wait_metric(triton_server, lambda s: d(s, "llm_inter_token_latency_seconds_count")
+                           >= sum(r.responses - 1 for r in streams), timeout=2)
     assert d(after, FINISHED, reason="length") == 3
     assert d(after, "llm_prompt_tokens_total") == sum(lens)
     assert d(after, "llm_generation_tokens_total") == 5 + 5 + 3

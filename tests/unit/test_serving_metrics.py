@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from backend.serving.metrics import Finished, Observe, Rejected, ServingMetrics
 
 
@@ -84,8 +86,35 @@ def test_token_counters_are_polled_at_the_interval_not_per_batch():
         for _ in range(20):
             m.record([Observe("llm_inter_token_latency_seconds", 0.01)])
         m.flush()
-        assert len(f.get("llm_inter_token_latency_seconds").calls) == 20
+        assert f.get("llm_inter_token_latency_seconds_count").calls == [("set", 20.0)]
         assert f.get("llm_generation_tokens_total").calls == [("increment", float(len(calls)))]
         assert f.get("llm_num_requests_running").calls[-1] == ("set", float(len(calls)))
+    finally:
+        m.stop()
+
+
+def test_inter_token_latency_is_counted_locally_and_written_at_the_poll():
+    """No IPC per response: the ITL histogram's observations become bucket counts written at the
+    poll as Prometheus's histogram series (cumulative buckets with le, sum, count), changed ones only."""
+    f = Factory()
+    m = ServingMetrics(f, stats=stats, healthy=lambda: True, labels={"model": "engine"}, poll_interval=60)
+    name = "llm_inter_token_latency_seconds"
+    try:
+        m.record([Observe(name, v) for v in (0.0005, 0.003, 0.003, 0.02, 99.0)])
+        m.record([Observe(name, 0.001)])             # on a bound: counted in that bucket (le)
+        assert all(not x.calls for x in f.metrics if x.name.startswith(name))     # nothing written yet
+        m.flush()
+
+        def bucket(le):
+            return f.get(f"{name}_bucket", le=le).calls[-1][1]
+        assert [bucket(le) for le in ("0.001", "0.0025", "0.005", "0.01", "0.025", "10", "+Inf")] == \
+            [2, 2, 4, 4, 5, 5, 6]
+        assert f.get(f"{name}_count").calls == [("set", 6.0)]
+        assert f.get(f"{name}_sum").calls[-1][1] == pytest.approx(0.0005 + 0.006 + 0.02 + 99 + 0.001)
+        m.record([Observe(name, 0.002)])
+        m.flush()                                    # only the changes: one more in le >= 0.0025
+        assert f.get(f"{name}_count").calls[-1] == ("set", 7.0)
+        assert len(f.get(f"{name}_bucket", le="0.001").calls) == 1          # unchanged: not written
+        assert bucket("0.001") == 2 and bucket("0.0025") == 3 and bucket("+Inf") == 7
     finally:
         m.stop()
