@@ -121,17 +121,28 @@ def test_greedy_with_ngram_speculation_equals_plain_offline(spec_server, expecte
     assert 0 < delta["llm_spec_decode_num_accepted_tokens_total"] < delta["llm_spec_decode_num_draft_tokens_total"], delta
 
 
+def _settled_drafts(server) -> float:
+    """The draft-token counter once no request runs and two scrapes 0.3 s apart (three counter
+    polls) agree."""
+    wait_metric(server, lambda m: metric(m, "llm_num_requests_running") == 0, timeout=5.0)
+    last = None
+    for _ in range(20):
+        now = metric(scrape(server), "llm_spec_decode_num_draft_tokens_total")
+        if now == last:
+            return now
+        last = now
+        time.sleep(0.3)
+    raise AssertionError("the draft-token counter kept changing")
+
+
 def test_the_speculative_parameter_opts_one_request_out(spec_server, expected):
     """``speculative=false`` as a request parameter: the request drafts nothing, same answer."""
     params, answers = expected
     i = 3                                               # a repeating prompt: it drafts when allowed
     drafted = []
     for opt in ({"speculative": False}, {}):
-        before = scrape(spec_server)
+        before = _settled_drafts(spec_server)          # earlier tests' drafts written (0.1 s poll)
         res = generate(spec_server, "llm", text=PROMPTS[i], **params[i], **opt)
         assert res.error is None and res.ids == answers[i].outputs[0].token_ids
-        wait_metric(spec_server, lambda m: metric(m, "llm_num_requests_running") == 0, timeout=5.0)
-        time.sleep(0.3)                                 # one more counter poll (every 0.1 s)
-        drafted.append(metric(scrape(spec_server), "llm_spec_decode_num_draft_tokens_total")
-                       - metric(before, "llm_spec_decode_num_draft_tokens_total"))
+        drafted.append(_settled_drafts(spec_server) - before)
     assert drafted[0] == 0 and drafted[1] > 0, drafted
