@@ -49,9 +49,9 @@ def _drain(q: queue.Queue, timeout: float = 60.0) -> list:
             return out
 
 
-def _unified_tokens() -> list[int]:
+def _unified_tokens(prompt: list[int] = PROMPT) -> list[int]:
     eng = LLMEngine(model_dir("tiny"), _args("unified"))
-    eng.add_request("u", PROMPT, PARAMS)
+    eng.add_request("u", prompt, PARAMS)
     toks = []
     while eng.has_unfinished():
         for d in eng.step():
@@ -102,16 +102,6 @@ def _handover(pre, rid: str, prompt: list[int]) -> str:
     return final.handover
 
 
-def _unified(prompt: list[int]) -> list[int]:
-    eng = LLMEngine(model_dir("tiny"), _args("unified"))
-    eng.add_request("u", prompt, PARAMS)
-    toks = []
-    while eng.has_unfinished():
-        for d in eng.step():
-            toks += d.new_token_ids
-    return toks
-
-
 class _GatedConnector:
     """The decode connector, but fetch waits until the test opens the gate."""
 
@@ -141,7 +131,7 @@ def test_a_large_hand_over_is_placed_off_the_step_while_streams_run(loops):
     before = dec.engine.role.stats.placed_async
     q: queue.Queue = queue.Queue()
     dec.submit("long1", LONG, PARAMS, sink=q, handover=_handover(pre, "long1", LONG))
-    assert [t for d in _drain(q) for t in d.new_token_ids] == _unified(LONG)
+    assert [t for d in _drain(q) for t in d.new_token_ids] == _unified_tokens(LONG)
     assert dec.engine.role.stats.placed_async == before + 1 and dec.engine.role.stats.recomputed == 0
     assert dec.abort("busy1").result(timeout=10) is not None
     _drain(busy)
