@@ -70,10 +70,6 @@ REJECTED = "llm_requests_rejected_total"
 REJECT_KINDS = WIRE_KINDS                   # the wire tags: a deadline is "unavailable"
 
 
-def _histogram(factory: Any, name: str, doc: str, labels: dict[str, str], buckets: list[float]) -> Any:
-    return factory.histogram(name, doc, labels, buckets)
-
-
 @dataclass(frozen=True, slots=True)
 class Observe:
     """One histogram observation (seconds)."""
@@ -147,8 +143,8 @@ class ServingMetrics:
                  labels: dict[str, str] | None = None, poll_interval: float = 0.1) -> None:
         labels = dict(labels or {})
         self._factory = factory             # keeps pb_utils MetricFamily objects alive
-        self._hist = {n: (CountedHistogram if n in COUNTED_HISTOGRAMS else _histogram)(
-            factory, n, doc, labels, buckets) for n, (doc, buckets) in HISTOGRAMS.items()}
+        self._hist = {n: CountedHistogram(factory, n, doc, labels, buckets) if n in COUNTED_HISTOGRAMS
+                      else factory.histogram(n, doc, labels, buckets) for n, (doc, buckets) in HISTOGRAMS.items()}
         self._counted = [self._hist[n] for n in HISTOGRAMS if n in COUNTED_HISTOGRAMS]
         self._gauge = {n: factory.gauge(n, doc, labels) for n, doc in GAUGES.items()}
         self._stat_counter = {n: factory.counter(n, doc, labels) for n, (doc, _) in STAT_COUNTERS.items()}

@@ -86,7 +86,7 @@ class Preprocessor:
         # The Rust tokenizer directly: the same ids as ``self.tokenizer.encode(text)`` (pinned by
         # tests/unit/test_serving_preprocess_encode.py) without transformers' Python wrapper, ~30 %
         # of a prompt's encode time on the way to the first token.
-        rust = getattr(self.tokenizer, "_tokenizer", None)
+        rust = getattr(self.tokenizer, "backend_tokenizer", None)      # fast tokenizers only
         if rust is not None:
             return rust.encode(text).ids
         return [int(t) for t in self.tokenizer.encode(text)]
