@@ -152,13 +152,17 @@ def test_abort_while_the_placer_writes_frees_the_blocks_once_it_is_done(loops):
         other = LONG[::-1]                                 # not in the decode pool's prefix cache
         dec.submit("long2", other, PARAMS, sink=q, handover=_handover(pre, "long2", other))
         assert gated.entered.wait(30)                      # its blocks are allocated, the copy waits
-        held = dec.engine.kv.stats().num_used_blocks
+        kv, seq_id = dec.engine.kv, dec.engine.role.placing["long2"].seq.seq_id
+        held = kv.block_table(seq_id)                      # (busy2 keeps growing: count long2's own)
+        assert len(held) == -(-len(other) // 16)
         assert dec.abort("long2").result(timeout=10) is not None
         (final,) = _drain(q)
         assert final.finish_reason == "abort" and final.new_token_ids == []
-        assert dec.engine.kv.stats().num_used_blocks == held   # not freed under the placer's writes
+        assert kv.block_table(seq_id) == held              # not freed under the placer's writes
         gated.gate.set()
         _wait_for(lambda: not dec.engine.role.placing)
+        with pytest.raises(KeyError):                      # freed once the placer was done
+            kv.block_table(seq_id)
         assert dec.abort("busy2").result(timeout=10) is not None
         _drain(busy)
         _wait_for(lambda: dec.engine.kv.stats().num_used_blocks == 0)
