@@ -68,6 +68,19 @@ def test_two_concurrent_requests_and_an_abort():
     assert not loop._thread.is_alive()
 
 
+def _hold_engine_thread(loop, gate: threading.Event) -> None:
+    """Submit a request whose sink blocks on ``gate``; return once the engine thread is in it (so
+    later submits pile up in the intake, whatever the machine's load)."""
+    entered = threading.Event()
+
+    def sink(_delta):
+        entered.set()
+        gate.wait(30)
+
+    loop.submit("blocker", P, SamplingParams(max_tokens=2), sink=sink)
+    assert entered.wait(30), "the engine thread never reached the blocking sink"
+
+
 def test_submit_rejects_synchronously():
     loop = make_loop(max_waiting=2, max_model_len=64)
     gate = threading.Event()
@@ -76,8 +89,7 @@ def test_submit_rejects_synchronously():
             loop.submit("x", list(range(100)), SamplingParams(), sink=queue.Queue())
         assert (info.value.kind, info.value.param) == (ErrorKind.INVALID_REQUEST, "input_ids")
         # a sink that blocks holds the engine thread, so later submits pile up in the intake
-        loop.submit("blocker", P, SamplingParams(max_tokens=2), sink=lambda d: gate.wait(30))
-        time.sleep(0.2)
+        _hold_engine_thread(loop, gate)
         loop.submit("a", P, SamplingParams(), sink=queue.Queue())
         loop.submit("b", P, SamplingParams(), sink=queue.Queue())
         with pytest.raises(EngineError) as info:
@@ -152,8 +164,7 @@ def test_submit_never_reads_engine_state_off_the_engine_thread():
     loop.engine = spy                        # every later self.engine access goes through the spy
     gate = threading.Event()
     try:
-        loop.submit("blocker", P, SamplingParams(max_tokens=2), sink=lambda d: gate.wait(30))
-        time.sleep(0.2)                      # the engine thread is now held in the sink
+        _hold_engine_thread(loop, gate)
         loop.submit("a", P, SamplingParams(), sink=queue.Queue())
         for rid, prompt, params in [("b", P, SamplingParams()),                  # queue_full
                                     ("c", list(range(100)), SamplingParams()),   # too long
