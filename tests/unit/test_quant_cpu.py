@@ -1,8 +1,8 @@
 """The CPU quantized GEMMs (backend/quant/csrc/quant_cpu.c) against dequantize-then-matmul.
 
 Tolerance: 1e-5 of max |reference| for the weight-only loops (fp32 products; only the summation
-order differs from BLAS). int8 per channel from A16_MIN_M rows on quantizes activations to int16
-(one scale per row): there the bound is the rounding of x, per output
+order differs from BLAS). int8 per channel at 1 row and from A16_MIN_M rows on (and groups of 32
+from A16_MIN_M rows on) quantizes activations to int16 (one scale per row): there the bound is the rounding of x, per output
 |dy[m, n]| <= sum_k |W[n, k]| * max|x[m]| / (2 Q), Q = min(32767, (2^31 - 1) / (127 K)), plus the
 same 1e-5 for fp32 rounding. Shapes are odd on purpose: K not a multiple of 8, 16, 32 or the group,
 N not a multiple of anything, M = 1 (decode), 2..5, 8, 15, 29 (the 8 / 4 / 1..3-row tiles and their
@@ -20,6 +20,12 @@ SHAPES = [(1, 37, 100), (2, 37, 100), (3, 19, 77), (5, 64, 200), (8, 21, 100), (
           (29, 33, 200), (300, 70, 200)]
 
 
+def takes_a16(m: int, k: int, group: int | None) -> bool:
+    """Where w8_gemm quantizes activations to int16: 1 row per channel (the 4-stream GEMV), and
+    A16_MIN_M+ rows per channel or in groups of 32 (K a multiple of 32)."""
+    return (m == 1 and group is None) or (m >= cpu.A16_MIN_M and (group is None or (group == 32 and k % 32 == 0)))
+
+
 def a16_bound(x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """Per-output bound of int8 x int16-activation GEMMs against fp32 activations (module doc)."""
     k = x.shape[1]
@@ -35,7 +41,7 @@ def test_cpu_gemm_matches_dequantize_then_matmul(m, n, k, method, group):
     qw = layout.quantize_int8(w, group) if method == "int8" else layout.quantize_int4(w, group)
     ref = torch.nn.functional.linear(x, layout.dequantize(qw), bias)
     y = cpu.gemm(x, method, qw.qweight, qw.scales, qw.zeros, qw.group_size, k, bias)
-    if method == "int8" and (group is None or k % 32 == 0) and m >= cpu.A16_MIN_M:   # int16 activations
+    if method == "int8" and takes_a16(m, k, group):                                  # int16 activations
         assert ((y - ref).abs() <= a16_bound(x, layout.dequantize(qw), ref)).all()
     else:
         assert (y - ref).abs().max() <= 1e-5 * ref.abs().max()
@@ -107,23 +113,53 @@ def test_int16_activation_kernel_within_its_bound(m, n, k, group):
             assert ((y - ref).abs() <= 1e-5 * ref.abs().amax(1, keepdim=True) + 1e-6).all()
 
 
+@pytest.mark.parametrize("n", [1, 3, 4, 7, 9, 64, 101])
+@pytest.mark.parametrize("k", [9, 16, 17, 77, 576, 1537, 9000])
+def test_one_row_int16_gemv_against_float64(n, k):
+    """w8_gemv_a16 (1 row, per channel; 4 weight rows from the 4 quarters of N per pass, the N % 4
+    rest one by one; K % 16 tails scalar) against dequantize-then-matmul in float64, within the int16
+    bound, with 1 and 2 threads giving the same bits; a zero row gives exactly the bias."""
+    torch.manual_seed(n * 7 + k)
+    w, bias = torch.randn(n, k), torch.randn(n)
+    qw = layout.quantize_int8(w)
+    dq = layout.dequantize(qw)
+    before = torch.get_num_threads()
+    try:
+        for scale in (1e-3, 1.0, 1e3):
+            x = torch.randn(1, k) * scale
+            x[0, k // 2] *= 50                                      # an outlier sets the row's scale
+            ref = (x.double() @ dq.double().T + bias.double()).float()
+            ys = []
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                ys.append(cpu.gemm(x, "int8", qw.qweight, qw.scales, None, qw.group_size, k, bias))
+            assert torch.equal(ys[0], ys[1])
+            assert ((ys[0] - ref).abs() <= a16_bound(x, dq, ref)).all()
+        zero = cpu.gemm(torch.zeros(1, k), "int8", qw.qweight, qw.scales, None, qw.group_size, k, bias)
+        assert torch.equal(zero[0], bias)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_int8_routing_and_switch(monkeypatch):
-    """w8_gemm (also what the fused decode step calls) takes int16 activations from A16_MIN_M rows on,
-    for per-channel weights only; TRITON_LLM_INT8_ACT=fp32 keeps the weight-only loops everywhere."""
+    """w8_gemm (also what the fused decode step calls) takes int16 activations at 1 row per channel
+    and from A16_MIN_M rows on (per channel and groups of 32); TRITON_LLM_INT8_ACT=fp32 keeps the
+    weight-only loops everywhere."""
     torch.manual_seed(5)
     k = 200
     qw, q32 = layout.quantize_int8(torch.randn(30, k)), layout.quantize_int8(torch.randn(30, k + 8), 32)
     q64 = layout.quantize_int8(torch.randn(30, k + 8), 64)
     lib = cpu.library()
     assert lib.w8_a16_min_m() == cpu.A16_MIN_M
-    for m in (cpu.A16_MIN_M - 1, cpu.A16_MIN_M, 40):
+    for m in (1, 2, cpu.A16_MIN_M - 1, cpu.A16_MIN_M, 40):
         x = torch.randn(m, k)
         x8 = torch.randn(m, k + 8)                                            # K = 208: 6.5 groups of 32
         run = lambda q, kern: cpu.gemm(x if q is qw else x8, "int8", q.qweight, q.scales, None, q.group_size,  # noqa: E731
                                        q.in_features, None, kernel=kern)
-        want = "a16" if m >= cpu.A16_MIN_M else "f32a"
+        want = "a16" if takes_a16(m, k, None) else "f32a"
         assert torch.equal(run(qw, None), run(qw, want)) and torch.equal(run(qw, "c"), run(qw, want))
-        assert torch.equal(run(q32, "c"), run(q32, want))                     # GGUF Q8_0 groups of 32 too
+        want32 = "a16" if takes_a16(m, k + 8, 32) else "f32a"                # GGUF Q8_0 groups of 32 too,
+        assert torch.equal(run(q32, "c"), run(q32, want32))                   # from A16_MIN_M rows only
         assert torch.equal(run(q64, "c"), run(q64, "f32a"))                   # other groups: weight-only
         assert not torch.equal(run(qw, "a16"), run(qw, "f32a"))
         if m > cpu.SMALL_M:                                                   # torch path: groups dequantize + BLAS
@@ -135,9 +171,10 @@ def test_int8_routing_and_switch(monkeypatch):
     cpu.library.cache_clear()
     try:
         assert cpu.library().w8_a16_min_m() == 0
-        x = torch.randn(16, k)
-        assert torch.equal(cpu.gemm(x, "int8", qw.qweight, qw.scales, None, k, k, None),
-                           cpu.gemm(x, "int8", qw.qweight, qw.scales, None, k, k, None, kernel="f32a"))
+        for m in (1, 16):
+            x = torch.randn(m, k)
+            assert torch.equal(cpu.gemm(x, "int8", qw.qweight, qw.scales, None, k, k, None),
+                               cpu.gemm(x, "int8", qw.qweight, qw.scales, None, k, k, None, kernel="f32a"))
     finally:
         monkeypatch.delenv("TRITON_LLM_INT8_ACT")
         cpu.library.cache_clear()
