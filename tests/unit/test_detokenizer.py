@@ -88,3 +88,40 @@ def test_random_token_soup_streams_exactly(tok, seed):
     ids = [rng.choice(lone_bytes) if rng.random() < 0.5 else rng.randrange(vocab) for _ in range(80)]
     chunks = [rng.choice([1, 1, 2, 4]) for _ in range(len(ids))]
     assert stream(tok, ids, chunks) == tok.decode(ids, clean_up_tokenization_spaces=False)
+
+
+def _fragments(tok) -> list[int]:
+    """Tokens whose bytes are not whole UTF-8 characters (lead bytes with part of their tail,
+    continuation bytes, both), as byte-level BPE merges them from text split mid-character."""
+    ids = []
+    for i in range(tok.backend_tokenizer.get_vocab_size()):
+        text = tok.decode([i])
+        if "\ufffd" in text and len(tok.convert_ids_to_tokens(i)) > 1:
+            ids.append(i)
+    return ids
+
+
+def test_a_character_completed_by_a_token_that_brings_invalid_bytes(tok):
+    """e9 80 | ae b5 | ae b5 | ae b5: the first token's U+FFFD becomes "逮" one token later; three
+    tokens after it the text still ends in U+FFFD (the lone b5 / ae bytes), which once made the
+    stream emit U+FFFD in place of "逮" (a CI run of the speculative-serving e2e test)."""
+    lead, tail = tok.convert_tokens_to_ids("\u00e9\u0122"), tok.convert_tokens_to_ids("\u00ae\u00b5")
+    ids = tok.encode(" Hi", add_special_tokens=False) + [lead] + [tail] * 5 + tok.encode("ab", add_special_tokens=False)
+    assert tok.decode([lead, tail]).startswith("逮")
+    for size in (1, 2, 3, 4, 5):
+        for first in range(1, size + 1):
+            assert stream(tok, ids, [first] + [size] * len(ids)) == tok.decode(ids)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_partial_character_soup_streams_exactly(tok, seed):
+    """Sequences made mostly of partial-character tokens (where completions and invalid bytes
+    interleave), streamed in random chunk sizes, as speculative decoding delivers them."""
+    rng = random.Random(seed)
+    frags = _fragments(tok)
+    assert len(frags) > 50
+    words = tok.encode(" 你好 world 🦩", add_special_tokens=False)
+    ids = [rng.choice(frags) if rng.random() < 0.8 else rng.choice(words) for _ in range(120)]
+    for _ in range(4):
+        chunks = [rng.choice([1, 2, 3, 5, 8]) for _ in range(len(ids))]
+        assert stream(tok, ids, chunks) == tok.decode(ids, clean_up_tokenization_spaces=False)
