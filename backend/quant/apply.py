@@ -20,7 +20,7 @@ import pathlib
 import torch
 from torch import nn
 
-from backend.quant.layout import METHODS, check_group_size, quantize
+from backend.quant.layout import METHODS, check_group_size, quantize, quantize_int8
 from backend.quant.linear import QuantLinear
 
 QUANT_METHOD = "triton_llm"
@@ -76,10 +76,14 @@ def quantize_model(model: nn.Module, method: str, group_size: int) -> None:
         del lin
 
 
-def _head_method(model_dir, quantization: str, group_size: int, qc: dict | None) -> tuple[str, int]:
-    """(method, group) for quant_lm_head: the engine's quantization, else the checkpoint's."""
+def _head_method(model_dir, quantization: str, group_size: int, qc: dict | None) -> tuple[str, int | None]:
+    """(method, group) for quant_lm_head: the engine's quantization (int8: per channel, group None),
+    else the checkpoint's method and group. A GGUF Q8_0 file's head (its tied token_embd, Q8_0 like
+    every matrix of that file) is imported dequantized; re-quantized on its own groups of 32 it
+    gives back the file's bytes (d = max|w| / 127 of a group that was q * d with max|q| = 127), so
+    ours reads the same head llama.cpp reads."""
     if quantization != "none":
-        return quantization, group_size
+        return quantization, None if quantization == "int8" else group_size
     if qc is not None:
         return method_of(qc), int(qc["group_size"])
     raise ValueError("quant_lm_head needs quantization=int8 or int4 (or a quantized checkpoint)")
@@ -97,7 +101,9 @@ def finish_load(model: nn.Module, model_dir, quantization: str, group_size: int,
                          f"quantization={quantization} cannot apply (use none or {method_of(qc)})")
     if lm_head:
         method, group = _head_method(model_dir, quantization, group_size, qc)
-        model.lm_head_q = QuantLinear.from_quant(quantize(model.lm_head_weight().data, method, group), None)
+        w = model.lm_head_weight().data
+        qw = quantize_int8(w, group) if method == "int8" else quantize(w, method, group)
+        model.lm_head_q = QuantLinear.from_quant(qw, None)
     model.quantization = summary(model)
 
 
@@ -139,7 +145,7 @@ def planned_summary(model_dir: str | pathlib.Path, *, dtype: torch.dtype, quanti
         if lm_head:
             method, group = _head_method(model_dir, quantization, group_size, qc)
             vocab, hidden = model.lm_head_weight().shape
-            model.lm_head_q = QuantLinear(hidden, vocab, False, method, hidden if method == "int8" else group)
+            model.lm_head_q = QuantLinear(hidden, vocab, False, method, hidden if group is None else group)
     seen: set[int] = set()
     nbytes = 0
     for module in model.modules():

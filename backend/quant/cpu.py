@@ -6,7 +6,8 @@ with fp32 activations runs ~10x slower than fp32 ``F.linear`` at M = 1 and 16, a
 (numbers in docs/quantization.md, ``python -m load.bench_quant --kernels``).
 
 int8, per output channel (the ``quantization=int8`` default) or in GGUF Q8_0's groups of 32 (K a
-multiple of 32), with at least ``A16_MIN_M`` rows:
+multiple of 32), with 1 row (decode at 1 stream: a 4-stream GEMV, ~1.6-2x the weight-only loop,
+which is arithmetic-bound at ~12 GB/s there) or at least ``A16_MIN_M`` rows:
 ``w8_gemm`` quantizes each activation row to int16 (one scale per row) and multiplies int8 x int16
 with vpmaddwd, exact int32 sums (csrc/quant_cpu.c, "int8 weights x int16 activations"): 1.2-1.3x
 the weight-only loops on SmolLM2 decode steps of 8-32 rows and 1.5-1.9x on prefill chunks, for
@@ -14,7 +15,7 @@ an activation rounding of at most max|x[m]| / (2 Q) per element, Q = min(32767, 
 (127 K)) (bound and measurements in docs/quantization.md). ``TRITON_LLM_INT8_ACT=fp32`` turns it off
 (weight-only numerics for every M). This covers the fused decode step too, which calls ``w8_gemm``.
 
-Fewer rows (decode at 1-7 streams), other int8 groups and int4: the weight-only C loops for
+2-7 rows (decode at 2-7 streams), other int8 groups and int4: the weight-only C loops for
 M <= ``SMALL_M`` (bound by weight bytes). Above it the weight is dequantized into an fp32 scratch
 once and BLAS runs (compute-bound there; the N*K dequantization is small next to M*N*K
 multiply-adds) -- except per-channel int8, which keeps the int16 kernel for every M (it beat

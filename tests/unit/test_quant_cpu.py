@@ -21,9 +21,9 @@ SHAPES = [(1, 37, 100), (2, 37, 100), (3, 19, 77), (5, 64, 200), (8, 21, 100), (
 
 
 def takes_a16(m: int, k: int, group: int | None) -> bool:
-    """Where w8_gemm quantizes activations to int16: 1 row per channel (the 4-stream GEMV), and
-    A16_MIN_M+ rows per channel or in groups of 32 (K a multiple of 32)."""
-    return (m == 1 and group is None) or (m >= cpu.A16_MIN_M and (group is None or (group == 32 and k % 32 == 0)))
+    """Where w8_gemm quantizes activations to int16: 1 row (the 4-stream GEMV) and A16_MIN_M+ rows,
+    per channel or in GGUF Q8_0's groups of 32 (K a multiple of 32)."""
+    return (m == 1 or m >= cpu.A16_MIN_M) and (group is None or (group == 32 and k % 32 == 0 and k > 32))
 
 
 def a16_bound(x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -114,14 +114,17 @@ def test_int16_activation_kernel_within_its_bound(m, n, k, group):
 
 
 @pytest.mark.parametrize("n", [1, 3, 4, 7, 9, 64, 101])
-@pytest.mark.parametrize("k", [9, 16, 17, 77, 576, 1537, 9000])
-def test_one_row_int16_gemv_against_float64(n, k):
-    """w8_gemv_a16 (1 row, per channel; 4 weight rows from the 4 quarters of N per pass, the N % 4
-    rest one by one; K % 16 tails scalar) against dequantize-then-matmul in float64, within the int16
-    bound, with 1 and 2 threads giving the same bits; a zero row gives exactly the bias."""
+@pytest.mark.parametrize("k,group", [(9, None), (16, None), (17, None), (77, None), (576, None), (1537, None),
+                                     (9000, None), (64, 32), (96, 32), (160, 32), (576, 32), (9024, 32)])
+def test_one_row_int16_gemv_against_float64(n, k, group):
+    """w8_gemv_a16 (1 row; per channel 4 weight rows from the 4 quarters of N per pass, the N % 4
+    rest one by one, K % 16 tails scalar; groups of 32 row by row in that order, ng % 4 tail groups)
+    against dequantize-then-matmul in float64, within the int16 bound, with 1 and 2 threads giving
+    the same bits; a zero row gives exactly the bias."""
     torch.manual_seed(n * 7 + k)
     w, bias = torch.randn(n, k), torch.randn(n)
-    qw = layout.quantize_int8(w)
+    qw = layout.quantize_int8(w, group)
+    assert takes_a16(1, k, group)
     dq = layout.dequantize(qw)
     before = torch.get_num_threads()
     try:
@@ -151,7 +154,7 @@ def test_int8_routing_and_switch(monkeypatch):
     q64 = layout.quantize_int8(torch.randn(30, k + 8), 64)
     lib = cpu.library()
     assert lib.w8_a16_min_m() == cpu.A16_MIN_M
-    for m in (1, 2, cpu.A16_MIN_M - 1, cpu.A16_MIN_M, 40):
+    for m in (1, 2, cpu.A16_MIN_M - 1, cpu.A16_MIN_M, 40):                    # 1 and 8+ rows: int16
         x = torch.randn(m, k)
         x8 = torch.randn(m, k + 8)                                            # K = 208: 6.5 groups of 32
         run = lambda q, kern: cpu.gemm(x if q is qw else x8, "int8", q.qweight, q.scales, None, q.group_size,  # noqa: E731
@@ -159,7 +162,7 @@ def test_int8_routing_and_switch(monkeypatch):
         want = "a16" if takes_a16(m, k, None) else "f32a"
         assert torch.equal(run(qw, None), run(qw, want)) and torch.equal(run(qw, "c"), run(qw, want))
         want32 = "a16" if takes_a16(m, k + 8, 32) else "f32a"                # GGUF Q8_0 groups of 32 too,
-        assert torch.equal(run(q32, "c"), run(q32, want32))                   # from A16_MIN_M rows only
+        assert torch.equal(run(q32, "c"), run(q32, want32))                   # at the same M
         assert torch.equal(run(q64, "c"), run(q64, "f32a"))                   # other groups: weight-only
         assert not torch.equal(run(qw, "a16"), run(qw, "f32a"))
         if m > cpu.SMALL_M:                                                   # torch path: groups dequantize + BLAS

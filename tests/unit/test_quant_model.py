@@ -13,6 +13,7 @@ from backend.model.batch_builder import SeqChunk, build_batch
 from backend.model.gguf_import import import_gguf
 from backend.model.runner import ModelRunner
 from backend.quant.apply import planned_summary
+from backend.quant.layout import dequantize
 from backend.quant.linear import QuantLinear
 from tests.conftest import model_dir
 from tests.unit.test_gguf_import import write_gguf
@@ -86,6 +87,12 @@ def test_gguf_keep_quantized_runs_at_its_own_size(tmp_path, qtype, bits):
     with pytest.raises(ValueError, match="already quantized"):
         _runner(tmp_path / "packed", quantization="int8" if bits == 4 else "int4")
     assert _runner(tmp_path / "packed", quantization=f"int{bits}").model.quantization["method"] == f"int{bits}"
+    if bits == 8:                 # quant_lm_head: the head on the file's own Q8_0 groups, its bytes
+        head = _runner(tmp_path / "packed", quant_lm_head=True)
+        hq = head.model.lm_head_q
+        assert hq.method == "int8" and hq.group_size == 32
+        assert torch.equal(dequantize(hq.quant_weight()), dense.model.lm_head_weight().data.float())
+        assert planned_summary(tmp_path / "packed", dtype=torch.float32, lm_head=True) == head.model.quantization
 
 
 def test_gguf_keep_quantized_requantizes_unmapped_projections(tmp_path):

@@ -370,14 +370,14 @@ static const a16_pc_fn A16_PC_FN[4][4] = {
     {a16_pc_1_1, a16_pc_1_2, a16_pc_1_3, a16_pc_1_4}, {a16_pc_2_1, a16_pc_2_2, a16_pc_2_3, a16_pc_2_4},
     {a16_pc_3_1, a16_pc_3_2, NULL, NULL}, {a16_pc_4_1, a16_pc_4_2, NULL, NULL}};   /* <= 8 sums */
 
-void w8_gemv_a16(const float *x, int64_t K, const int8_t *w, const uint16_t *scales, const float *bias,
-                 int64_t N, float *y, int nthreads);   /* below: M = 1, per channel */
+void w8_gemv_a16(const float *x, int64_t K, const int8_t *w, const uint16_t *scales, int64_t G,
+                 const float *bias, int64_t N, float *y, int nthreads);   /* below: M = 1 */
 
 /* Per output channel (G >= K) or GGUF Q8_0 groups (G = 32, K % 32 == 0); other groups: weight-only. */
 void w8_gemm_a16(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *w, const uint16_t *scales,
                  int64_t G, const float *bias, int64_t N, float *y, int64_t ldy, int nthreads) {
     const int g32 = G == 32 && K % 32 == 0 && K > 32;
-    if (M == 1 && G >= K) { w8_gemv_a16(x, K, w, scales, bias, N, y, nthreads); return; }
+    if (M == 1 && (G >= K || g32)) { w8_gemv_a16(x, K, w, scales, G, bias, N, y, nthreads); return; }
     if (G < K && !g32) { w8_gemm_f32a(x, M, K, ldx, w, scales, G, bias, N, y, ldy, nthreads); return; }
     const int MR = A16_MR, NR = g32 ? 1 : A16_NR;
     int64_t ng = (K + G - 1) / G;
@@ -420,12 +420,14 @@ void w8_gemm_a16(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t
     free(sx);
 }
 
-/* One activation row, per channel (decode at 1 stream; issue 16, fourth round). Bound by weight
- * bytes, and there the weight-only loop (vpmovsxbd + vcvtdq2ps + scale + FMA per 8 weights) was
- * arithmetic-bound at ~12 GB/s of int8 on this Zen 3. Here: the row quantized to int16 as above,
- * then per 16 weights one vpmovsxbw + vpmaddwd + vpaddd, on 4 weight rows at once taken from the
- * 4 quarters of the row range (4 DRAM streams side by side, each int16 x vector loaded once for
- * the 4): ~20-22 GB/s on SmolLM2's 135 M int8 weights, 1.6-1.75x (docs/quantization.md). */
+/* One activation row (decode at 1 stream; issue 16, fourth round). Bound by weight bytes, and
+ * there the weight-only loop (vpmovsxbd + vcvtdq2ps + scale + FMA per 8 weights) was arithmetic-
+ * bound at ~12 GB/s of int8 per channel (7.6 GB/s with groups of 32) on this Zen 3. Here: the row
+ * quantized to int16 as above, then per 16 weights one vpmovsxbw + vpmaddwd + vpaddd. Per channel,
+ * 4 weight rows at once taken from the 4 quarters of the row range (4 DRAM streams side by side,
+ * each int16 x vector loaded once for the 4): ~20-22 GB/s on SmolLM2's 135 M int8 weights,
+ * 1.6-1.75x; groups of 32: a16_g32_1 row by row in the same 4-stream order, ~16 GB/s, 2.1x
+ * (docs/quantization.md). */
 static inline int32_t a16_dot1(const int16_t *xq, const int8_t *w, int64_t K) {
     __m256i a0 = _mm256_setzero_si256(), a1 = a0;
     int64_t k = 0;
@@ -439,12 +441,24 @@ static inline int32_t a16_dot1(const int16_t *xq, const int8_t *w, int64_t K) {
     return t;
 }
 
-void w8_gemv_a16(const float *x, int64_t K, const int8_t *w, const uint16_t *scales, const float *bias,
-                 int64_t N, float *y, int nthreads) {
+void w8_gemv_a16(const float *x, int64_t K, const int8_t *w, const uint16_t *scales, int64_t G,
+                 const float *bias, int64_t N, float *y, int nthreads) {
     int64_t ldq = (K + 15) & ~(int64_t)15, qn = N / 4;
     int16_t stack[4096], *xq = ldq <= 4096 ? stack : malloc((size_t)ldq * sizeof(int16_t));
     float sx;
     a16_quantize(x, K, 1, K, a16_q(K), xq, ldq, &sx, 1);
+    if (G < K) {                   /* groups of 32: one row at a time (a16_g32_1), rows in 4 streams */
+        int64_t ng = K / 32;
+        #pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (int64_t j = 0; j < N; j++) {
+            int64_t n = j < 4 * qn ? (j % 4) * qn + j / 4 : j;
+            float f;
+            a16_g32_1(xq, ldq, w + n * K, scales + n * ng, K, &f);
+            y[n] = f * sx + (bias ? bias[n] : 0.f);
+        }
+        if (xq != stack) free(xq);
+        return;
+    }
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t i = 0; i < qn; i++) {
         const int8_t *w0 = w + i * K, *w1 = w + (qn + i) * K, *w2 = w + (2 * qn + i) * K, *w3 = w + (3 * qn + i) * K;
@@ -487,8 +501,8 @@ void w8_gemm_a16(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t
 void w8_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *w, const uint16_t *scales,
              int64_t G, const float *bias, int64_t N, float *y, int64_t ldy, int nthreads) {
 #ifdef __AVX2__
-    if (a16_min_m > 0 && M == 1 && G >= K) {          /* 1 row, per channel: 4-stream int16 GEMV */
-        w8_gemv_a16(x, K, w, scales, bias, N, y, nthreads);
+    if (a16_min_m > 0 && M == 1 && (G >= K || (G == 32 && K % 32 == 0 && K > 32))) {   /* 4-stream GEMV */
+        w8_gemv_a16(x, K, w, scales, G, bias, N, y, nthreads);
         return;
     }
     if (a16_min_m > 0 && M >= a16_min_m && (G >= K || (G == 32 && K % 32 == 0 && K > 32))) {
