@@ -19,6 +19,8 @@ class EngineArgs:
     disk_tier_path: str | None = None
     disk_tier_blocks: int = 0
     dtype: str = "float32"                        # float32 | bfloat16 | float16
+    kv_cache_dtype: str = "auto"                  # auto (= dtype) | fp16 | bf16: the KV pool's element (vLLM's name);
+                                                  # half KV halves the bytes attention reads per context token
     quantization: str = "none"                    # none | int8 | int4: weight-only, decoder projections (backend/quant)
     quant_group_size: int = 32                    # int4 group size (a multiple of 32); int8 is per output channel
     quant_lm_head: bool = False                   # the LM head too (a tied head gets a quantized copy)
@@ -53,6 +55,8 @@ class EngineArgs:
         SpeculativeConfig.parse(self.speculative_config)     # a bad value fails where it is given
         if self.quantization not in ("none", "int8", "int4"):
             raise ValueError(f"quantization must be none, int8 or int4 (got {self.quantization!r})")
+        if self.kv_cache_dtype not in ("auto", "fp16", "bf16", "float16", "bfloat16"):
+            raise ValueError(f"kv_cache_dtype must be auto, fp16 or bf16 (got {self.kv_cache_dtype!r})")
         if self.role not in ("unified", "prefill", "decode"):
             raise ValueError(f"role must be unified, prefill or decode (got {self.role!r})")
         if self.kv_connector not in ("shm", "tcp"):

@@ -104,16 +104,27 @@ def library():
     except OSError as exc:
         log.warning("CPU attention kernel unavailable (torch fallback): %s", exc)
         return None
-    for name in ("attend_f32", "attend_bf16"):
+    for name in ("attend_f32", "attend_bf16", "attend_f16"):
         fn = getattr(lib, name)
         fn.argtypes = [_P, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, _P]
         fn.restype = ctypes.c_int
     lib.store_kv.argtypes = [_P, _P, _P, _P, _P, _I, _I]
     lib.store_kv.restype = None
+    lib.f32_to_half.argtypes = [_P, _P, _I, ctypes.c_int]
+    lib.f32_to_half.restype = None
     return lib
 
 
-ATTEND = {torch.float32: "attend_f32", torch.bfloat16: "attend_bf16"}
+ATTEND = {torch.float32: "attend_f32", torch.bfloat16: "attend_bf16", torch.float16: "attend_f16"}
+HALF_KIND = {torch.float16: 1, torch.bfloat16: 2}       # f32_to_half's kind (decode_cpu.c KV_F16 / KV_BF16)
+
+
+def to_half(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 ``x`` -> fp16 / bf16 through the C conversion the fused step stores K/V with (tests)."""
+    x = x.to(torch.float32).contiguous()
+    out = torch.empty(x.shape, dtype=dtype)
+    library().f32_to_half(x.data_ptr(), out.data_ptr(), x.numel(), HALF_KIND[dtype])
+    return out
 
 
 def supports(cache_dtype: torch.dtype, device) -> bool:

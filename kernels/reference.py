@@ -40,7 +40,10 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.
 
 
 def _sdpa(q, k, v, mask, scale, causal=False):
-    """q [.., Hq, L, D], k/v [.., Hkv, S, D]; GQA through enable_gqa."""
+    """q [.., Hq, L, D], k/v [.., Hkv, S, D]; GQA through enable_gqa. A cache of another dtype
+    than the query (kv_cache_dtype fp16 / bf16 under an fp32 model) is widened to the query's."""
+    if k.dtype != q.dtype:
+        k, v = k.to(q.dtype), v.to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=causal,
                                           enable_gqa=q.shape[-3] != k.shape[-3])
 

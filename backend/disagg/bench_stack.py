@@ -31,8 +31,14 @@ A/Bs decode-process settings in one run, e.g. ``isolate,isolate+cancel=1.0`` (se
 ``&``, e.g. ``isolate+metrics=0&offcore=llm-responses``): ``si`` (GIL switch
 interval, s), ``cancel`` (the response thread's is_cancelled() period, s), ``nice`` (the step
 thread's nice), ``async`` (hand-overs of at least this many blocks are placed off the step; 8 by
-default, ``isolate+async=100000``: every KV fetch and write inside the step, as before). This client's heap is frozen after start-up (``--client-gc``): its own full
+default, ``isolate+async=100000``: every KV fetch and write inside the step, as before), ``yield``
+(ms: a decode step first waits up to this long for the response thread to send the last one's tokens). This client's heap is frozen after start-up (``--client-gc``): its own full
 collections (up to 240 ms) would otherwise be counted as ITL.
+
+Engine options per layout: ``layout~key=value[~key=value]`` (no --trace needed) runs that layout on
+its own server(s) started with those engine options on top of the bench's, e.g.
+``--layouts isolate,isolate~kv_cache_dtype=fp16,unified,unified~kv_cache_dtype=fp16`` (one more
+pair / unified server per distinct option set, all started up front; knobs go after: ``isolate~kv_cache_dtype=fp16+si=0.001``).
 """
 from __future__ import annotations
 
@@ -134,9 +140,9 @@ async def run_phase(client, a, seed: int, tag: str = "") -> dict:
 
 # what a layout without +knobs gets: Python's switch interval, the roles' own cancel-check period
 DEFAULT_KNOBS = {"switch_interval": 0.005, "cancel_check_interval": 1.0, "admit_async_min_blocks": 8,
-                 "metrics_ipc": 1, "offcore": "none"}
+                 "metrics_ipc": 1, "offcore": "none", "yield_ms": 0}
 KNOB_ALIASES = {"si": "switch_interval", "nice": "step_nice", "cancel": "cancel_check_interval",
-                "async": "admit_async_min_blocks", "metrics": "metrics_ipc"}
+                "async": "admit_async_min_blocks", "metrics": "metrics_ipc", "yield": "yield_ms"}
 
 
 async def warm_up(client) -> None:
@@ -218,6 +224,7 @@ def main() -> None:
     layouts = a.layouts.split(",")
     for lay in layouts:
         lay, _, knobs = lay.partition("+")
+        lay = lay.split("~")[0]
         if knobs and not a.trace:
             ap.error(f"{lay}+{knobs}: knobs need --trace (the decode engine reads them from its trace dir)")
         if lay != "unified" and lay not in LAYOUTS:
@@ -235,16 +242,30 @@ def main() -> None:
     path = model_dir(a.preset)
     opts = {"num_kv_blocks": "1024", "block_size": "16", "max_num_seqs": "32", "max_num_batched_tokens": "512",
             "kv_connector": a.connector}
-    unified = TritonServer(path, engine_options={**opts, "num_threads": "2"}, quiet=True)
-    pair = DisaggServers(path, engine_options={**opts, "num_threads": "1"}, cpus=cpus, quiet=True)
+    def eng_opts(layout: str) -> tuple[str, tuple]:
+        """'isolate~k=v~k2=v2+knobs' -> ('isolate', (('k', 'v'), ('k2', 'v2')))"""
+        head = layout.partition("+")[0].split("~")
+        return head[0], tuple(sorted(tuple(x.split("=", 1)) for x in head[1:]))
+
+    unifieds: dict[tuple, TritonServer] = {}
+    pairs: dict[tuple, DisaggServers] = {}
+    for layout in layouts:
+        base, extra = eng_opts(layout)
+        if base == "unified" and extra not in unifieds:
+            unifieds[extra] = TritonServer(path, engine_options={**opts, "num_threads": "2", **dict(extra)}, quiet=True)
+        elif base != "unified" and extra not in pairs:
+            pairs[extra] = DisaggServers(path, engine_options={**opts, "num_threads": "1", **dict(extra)}, cpus=cpus,
+                                         quiet=True)
     try:
-        unified.start()
-        pin_tree(unified.proc.pid, cpus[0] | cpus[1])
-        pair.start()
-        # one request through each before measuring: first-call costs, and the decode engine names
-        # its threads at its first step (bench thread CPU by name)
-        asyncio.run(warm_up(TritonLLMClient(unified.grpc_url)))
-        asyncio.run(warm_up(DisaggLLMClient(pair.prefill.grpc_url, pair.decode.grpc_url)))
+        for unified in unifieds.values():
+            unified.start()
+            pin_tree(unified.proc.pid, cpus[0] | cpus[1])
+            asyncio.run(warm_up(TritonLLMClient(unified.grpc_url)))
+        for pair in pairs.values():
+            pair.start()
+            # one request through each before measuring: first-call costs, and the decode engine names
+            # its threads at its first step (bench thread CPU by name)
+            asyncio.run(warm_up(DisaggLLMClient(pair.prefill.grpc_url, pair.decode.grpc_url)))
         results: dict[str, list[dict]] = {lay: [] for lay in layouts}
         if a.client_gc == "freeze":
             import gc
@@ -253,13 +274,16 @@ def main() -> None:
         me = os.getpid()
         for r in range(a.rounds):
             for layout in layouts:
-                if layout == "unified":
+                base_layout, extra = eng_opts(layout)
+                if base_layout == "unified":
+                    unified = unifieds[extra]
                     pin_tree(me, cpus[0] | cpus[1])
                     sched_tree(me)
                     client = TritonLLMClient(unified.grpc_url)
                     procs = [unified.proc.pid]
                 else:
                     base, _, knobs = layout.partition("+")
+                    base, pair = base.split("~")[0], pairs[extra]
                     if a.trace:                      # e.g. isolate+switch_interval=0.001
                         kv = {KNOB_ALIASES.get(k, k): v for k, v in (x.split("=") for x in knobs.split("&") if x)}
                         for k, v in DEFAULT_KNOBS.items():
@@ -279,13 +303,13 @@ def main() -> None:
                 print(f"round {r} {layout:8} " + " ".join(f"{k}={v:.4g}" for k, v in res.items()), flush=True)
                 if a.trace:
                     print(thread_cpu(procs), flush=True)
-                if a.trace and layout != "unified":
+                if a.trace and base_layout != "unified":
                     from backend.disagg.trace import format_report, report
                     time.sleep(1.5)                  # the decode server's trace flushes every second
                     print(format_report(report(a.trace, window, prefix=f"s{r}{layout}-")), flush=True)
     finally:
-        unified.stop()
-        pair.stop()
+        for server in [*unifieds.values(), *pairs.values()]:
+            server.stop()
     print(f"\npreset={a.preset} streams={a.streams}x{a.stream_tokens} tok{' staggered' if a.stagger else ''}, bursts {a.burst}x{a.burst_len}-token "
           f"prompts every {a.burst_every}s ({a.burst_tokens} tok each), {a.seconds}s x {a.rounds} rounds, "
           f"cpus={a.cpus}, connector={a.connector}, host cores={os.cpu_count()}, "

@@ -68,9 +68,10 @@ class TorchAttention(AttentionBackend):
     def forward(self, query, key, value, k_cache, v_cache, meta, scale):
         from kernels import cpu
 
-        use_c = self._c_kernels and key.dtype == k_cache.dtype and cpu.supports(k_cache.dtype, k_cache.device)
-        if use_c:
-            cpu.store_kv(key.contiguous(), value.contiguous(), k_cache, v_cache, meta.slot_mapping)
+        use_c = self._c_kernels and cpu.supports(k_cache.dtype, k_cache.device)
+        if use_c:           # a half cache under fp32 weights (kv_cache_dtype): converted (RNE) as stored
+            cpu.store_kv(key.to(k_cache.dtype).contiguous(), value.to(v_cache.dtype).contiguous(), k_cache,
+                         v_cache, meta.slot_mapping)
         else:
             self._store(key=key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=meta.slot_mapping)
         split = meta.cache.get("torch_split")

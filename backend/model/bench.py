@@ -2,6 +2,7 @@
 
     python -m backend.model.bench MODEL_DIR [--batch 64] [--context 128] [--steps 10] [--dtype bfloat16]
     python -m backend.model.bench MODEL_DIR --batch 1 --threads 1 --ab-fused
+    python -m backend.model.bench MODEL_DIR --batch 8 --context 288 --threads 1 --kv-cache-dtype fp16
 
 Prints one JSON line: prefill and decode tokens/s and ms per decode step (wall clock, best step
 and mean), and the process CPU time of the best step (robust when other work shares the cores).
@@ -23,9 +24,10 @@ from backend.model.runner import ModelRunner
 
 
 def run(model_dir: str, *, batch: int, context: int, steps: int, dtype: str, block_size: int = 16,
-        backend: str = "auto", num_threads: int | None = None, ab_fused: bool = False) -> dict:
+        backend: str = "auto", num_threads: int | None = None, ab_fused: bool = False,
+        kv_cache_dtype: str = "auto") -> dict:
     blocks_per_seq = -(-(context + steps + 1) // block_size)    # steps + 1: step 0 is a warm-up
-    runner = ModelRunner(model_dir, EngineArgs(dtype=dtype, block_size=block_size, attention_backend=backend,
+    runner = ModelRunner(model_dir, EngineArgs(dtype=dtype, block_size=block_size, attention_backend=backend, kv_cache_dtype=kv_cache_dtype,
                                                num_kv_blocks=batch * blocks_per_seq, num_threads=num_threads))
     rng = random.Random(0)
     free = rng.sample(range(runner.num_blocks), runner.num_blocks)
@@ -65,7 +67,7 @@ def run(model_dir: str, *, batch: int, context: int, steps: int, dtype: str, blo
                           f"{name}_mean_ms": round(1e3 * sum(t) / len(t), 2),
                           f"{name}_best_cpu_ms": round(1e3 * min(c), 2)})
         extra["speedup_best_cpu"] = round(min(ab["torch"][1]) / min(ab["fused"][1]), 2)
-    return {"model": model_dir, "dtype": dtype, "backend": runner.attention.name, "threads": torch.get_num_threads(),
+    return {"model": model_dir, "dtype": dtype, "kv_cache_dtype": kv_cache_dtype, "backend": runner.attention.name, "threads": torch.get_num_threads(),
             "batch": batch, "context": context, "prefill_tok_s": round(batch * context / prefill_s, 1),
             "decode_tok_s": round(batch * steps / decode_s, 1), "decode_ms_per_step": round(1e3 * decode_s / steps, 2),
             "decode_best_tok_s": round(batch / min(times[1:]), 1), "decode_best_cpu_ms": round(1e3 * min(cpu[1:]), 2), **extra}
@@ -80,10 +82,12 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto | fp16 | bf16 (EngineArgs.kv_cache_dtype)")
     ap.add_argument("--ab-fused", action="store_true", help="alternate fused C step and torch path")
     a = ap.parse_args()
     print(json.dumps(run(a.model_dir, batch=a.batch, context=a.context, steps=a.steps, dtype=a.dtype,
-                         backend=a.backend, num_threads=a.threads, ab_fused=a.ab_fused)))
+                         backend=a.backend, num_threads=a.threads, ab_fused=a.ab_fused,
+                         kv_cache_dtype=a.kv_cache_dtype)))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ Measured faster than the torch path for every step shape tried, up to 2048-token
 (docs/kernels.md, tools/ab_fused_step.py), so the token budget is only a cap.
 
 When it is used (:func:`make_fused_decoder` returns None otherwise and the torch path runs):
-CPU, fp32 weights and KV cache, projections that are plain :class:`~backend.model.llama.Linear`
+CPU, fp32 weights, an fp32 KV cache or a half one (``kv_cache_dtype`` fp16 / bf16: K/V converted
+as stored, read back widened to fp32), projections that are plain :class:`~backend.model.llama.Linear`
 or int8/int4 :class:`~backend.quant.linear.QuantLinear` (incl. a quantized lm_head, ``lm_head_q``;
 those call the quant library's ``w8_gemm``/``w4_gemm`` through their addresses, so they compute what
 QuantLinear computes), the torch attention backend, the C library built (``kernels.cpu.decode_library``),
@@ -56,7 +57,9 @@ class _Model(ctypes.Structure):
                                    "vocab", "block_size", "max_pos", "gemm_min_m")]
                 + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
                 + [(n, _P) for n in ("embed", "norm", "lm_head", "cos", "sin", *_LAYER_FIELDS, "sgemm",
-                                     "qw", "head_q", "w8", "w4")])
+                                     "qw", "head_q", "w8", "w4")]
+                + [("kv_dtype", _I)])
+_KV_DTYPE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}   # KV_F32 / KV_F16 / KV_BF16
 
 
 class _QW(ctypes.Structure):
@@ -166,7 +169,7 @@ class FusedDecoder:
             eps=cfg.rms_norm_eps, scale=cfg.head_dim ** -0.5,
             embed=model.model.embed_tokens.data_ptr(), norm=model.model.norm.weight.data_ptr(),
             lm_head=model.lm_head_weight().data_ptr(), cos=rot.cos.data_ptr(), sin=rot.sin.data_ptr(),
-            sgemm=sgemm, **arrays, **quant)
+            sgemm=sgemm, kv_dtype=_KV_DTYPE[kv_caches[0][0].dtype], **arrays, **quant)
         self._tensors = per_layer        # the pointers above stay valid while these live
         self._vocab = cfg.vocab_size
         self._scratch = torch.empty(0)
@@ -234,7 +237,11 @@ def make_fused_decoder(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tens
     if quant and _quant_gemms() is None:
         return None                                       # the quant C library is not built
     others = [model.model.embed_tokens, model.lm_head_weight(), model.model.norm.weight, model.rotary.cos,
-              model.rotary.sin, *(t for kv in kv_caches for t in kv)]
+              model.rotary.sin]
+    caches = [t for kv in kv_caches for t in kv]
+    if (not caches or len({t.dtype for t in caches}) != 1 or caches[0].dtype not in _KV_DTYPE
+            or not all(t.device.type == "cpu" and t.is_contiguous() for t in caches)):
+        return None                                       # KV: one of fp32 / fp16 / bf16 (kv_cache_dtype), CPU
     if not all(_f32(t) for t in others) or any(not _f32(x.weight) for x in model.modules() if hasattr(x, "eps")):
         return None
     lib = decode_library()

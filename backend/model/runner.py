@@ -16,7 +16,7 @@ from backend.kv_cache.storage import KVCacheStorage
 from backend.model.attention import AttentionMetadata, make_attention_backend
 from backend.model.config import load_model_config
 from backend.model.fused_decode import make_fused_decoder
-from backend.model.loader import load_model, parse_dtype
+from backend.model.loader import kv_cache_torch_dtype, load_model, parse_dtype
 
 
 @dataclass
@@ -65,13 +65,19 @@ class ModelRunner:
             (f" (group {q['group_size']})" if q["group_size"] else "") + (", LM head too" if q.get("lm_head") else ""),
             q["weight_bytes"] / 2**20)
         self.attention = make_attention_backend(args.attention_backend, self.device)
+        self.kv_dtype = kv_cache_torch_dtype(args)
+        if self.kv_dtype != self.dtype and self.attention.name != "torch":
+            raise ValueError(f"kv_cache_dtype={args.kv_cache_dtype} (a {str(self.kv_dtype).removeprefix('torch.')} "
+                             f"KV cache under {str(self.dtype).removeprefix('torch.')} weights) needs the torch "
+                             f"attention backend (CPU); the {self.attention.name} kernels store and read the "
+                             "model's dtype")
 
         shape = dict(num_layers=cfg.num_layers, block_size=args.block_size, num_kv_heads=cfg.num_kv_heads,
                      head_dim=cfg.head_dim)
         self.num_blocks = num_kv_blocks(cfg, args)
         if self.num_blocks <= 0:
             raise ValueError(f"kv_cache_memory={args.kv_cache_memory} bytes holds no KV block of this model")
-        self.storage = KVCacheStorage(num_blocks=self.num_blocks, dtype=self.dtype, device=self.device, **shape)
+        self.storage = KVCacheStorage(num_blocks=self.num_blocks, dtype=self.kv_dtype, device=self.device, **shape)
         # The pool is allocated once, so the per-layer views stay valid for the runner's life.
         self.kv_caches = [(self.storage.k_cache(i), self.storage.v_cache(i)) for i in range(cfg.num_layers)]
         self.info = ModelInfo(model_type=cfg.model_type, vocab_size=cfg.vocab_size, num_layers=cfg.num_layers,

@@ -8,7 +8,8 @@
  *   xn  = rmsnorm(h) * ln1                          [M, H]
  *   qkv = xn Wqkv^T (+ b)                           [M, Q + 2 KV]   rows: [ q | k | v ]
  *   q, k rotated (rotate-half RoPE, cos/sin of each row's position); q -> qbuf [M, Q],
- *   k, v -> the layer's KV cache at slots[i]        cache [blocks, block_size, Hkv, D]
+ *   k, v -> the layer's KV cache at slots[i]        cache [blocks, block_size, Hkv, D]: fp32, or fp16 /
+ *                                                   bf16 (kv_cache_dtype: converted as stored, RNE)
  *   att = causal paged attention of qbuf row i over its sequence's first pos[i] + 1 tokens, read
  *         through the sequence's block table row   [M, Q]
  *   h  += att Wo^T (+ b)
@@ -50,6 +51,13 @@ typedef void (*sgemm_fn)(const char *ta, const char *tb, const int *m, const int
 int attend_f32(const float *q, const float *kc, const float *vc, const int32_t *tables,
                int64_t table_stride, const int64_t *rows, const int32_t *seq, const int32_t *ctx,
                int64_t nrows, int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale, float *out);
+int attend_f16(const float *q, const uint16_t *kc, const uint16_t *vc, const int32_t *tables,
+               int64_t table_stride, const int64_t *rows, const int32_t *seq, const int32_t *ctx,
+               int64_t nrows, int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale, float *out);
+int attend_bf16(const float *q, const uint16_t *kc, const uint16_t *vc, const int32_t *tables,
+                int64_t table_stride, const int64_t *rows, const int32_t *seq, const int32_t *ctx,
+                int64_t nrows, int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale, float *out);
+void f32_to_half(const float *x, uint16_t *out, int64_t n, int kind);
 
 typedef void (*w8_fn)(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *w,
                       const uint16_t *scales, int64_t G, const float *bias, int64_t N, float *y,
@@ -75,13 +83,15 @@ typedef struct {
     const float *embed, *norm, *lm_head;
     const float *cos, *sin;         /* [max_pos, D/2] */
     const float **ln1, **qkv_w, **qkv_b, **o_w, **o_b, **ln2, **gu_w, **gu_b, **down_w, **down_b;
-    float **k_cache, **v_cache;     /* per layer */
+    void **k_cache, **v_cache;      /* per layer; element type: kv_dtype */
     sgemm_fn sgemm;                 /* NULL: own kernels for every M */
     const QW *qw;                   /* NULL (all fp32) or [num_layers * P_COUNT] */
     const QW *head_q;               /* NULL: fp32 lm_head */
     w8_fn w8;                       /* the quant library's w8_gemm / w4_gemm (needed when used) */
     w4_fn w4;
+    int64_t kv_dtype;               /* KV cache element (kv_cache_dtype): KV_F32, KV_F16 or KV_BF16 */
 } Model;
+enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
 
 static inline v8 ld(const float *p) { v8 x; memcpy(&x, p, sizeof x); return x; }
 
@@ -357,14 +367,27 @@ int step_forward(const Model *m, int64_t M, int64_t nseqs, const int64_t *ids, c
             const float *c = m->cos + pos[i] * half, *s = m->sin + pos[i] * half, *r = qkv + i * qkvn;
             for (int64_t hd = 0; hd < hq; hd++) rope(r + hd * D, c, s, half, qb + i * q + hd * D);
             if (slots[i] < 0) continue;
-            float *kc = m->k_cache[l] + slots[i] * kv, *vc = m->v_cache[l] + slots[i] * kv;
-            for (int64_t hd = 0; hd < hkv; hd++) rope(r + q + hd * D, c, s, half, kc + hd * D);
-            memcpy(vc, r + q + kv, sizeof(float) * (size_t)kv);
+            if (m->kv_dtype == KV_F32) {
+                float *kc = (float *)m->k_cache[l] + slots[i] * kv, *vc = (float *)m->v_cache[l] + slots[i] * kv;
+                for (int64_t hd = 0; hd < hkv; hd++) rope(r + q + hd * D, c, s, half, kc + hd * D);
+                memcpy(vc, r + q + kv, sizeof(float) * (size_t)kv);
+            } else {                    /* half cache: rotate K in place (in this row of qkv), convert */
+                float *kr = qkv + i * qkvn + q;
+                for (int64_t hd = 0; hd < hkv; hd++) rope(kr + hd * D, c, s, half, kr + hd * D);
+                f32_to_half(kr, (uint16_t *)m->k_cache[l] + slots[i] * kv, kv, (int)m->kv_dtype);
+                f32_to_half(kr + kv, (uint16_t *)m->v_cache[l] + slots[i] * kv, kv, (int)m->kv_dtype);
+            }
         }
 #pragma omp parallel for schedule(dynamic) num_threads(nt) if (par_att) reduction(| : rc)
-        for (int64_t i = 0; i < M; i++)
-            rc |= attend_f32(qb, m->k_cache[l], m->v_cache[l], tables, table_stride, rows + i,
-                             seq + i, ctx + i, 1, hq, hkv, D, m->block_size, m->scale, att);
+        for (int64_t i = 0; i < M; i++) {
+            if (m->kv_dtype == KV_F32)
+                rc |= attend_f32(qb, m->k_cache[l], m->v_cache[l], tables, table_stride, rows + i,
+                                 seq + i, ctx + i, 1, hq, hkv, D, m->block_size, m->scale, att);
+            else
+                rc |= (m->kv_dtype == KV_F16 ? attend_f16 : attend_bf16)(
+                    qb, m->k_cache[l], m->v_cache[l], tables, table_stride, rows + i, seq + i, ctx + i,
+                    1, hq, hkv, D, m->block_size, m->scale, att);
+        }
         linear_q(m, QP(l, P_O), att, M, q, m->o_w[l], m->o_b[l], H, h, 1, xn, nt);
 #pragma omp parallel for schedule(static) num_threads(nt) if (par_rows)
         for (int64_t i = 0; i < M; i++) rmsnorm(h + i * H, m->ln2[l], H, m->eps, xn + i * H);
