@@ -36,7 +36,7 @@ import torch.nn.functional as F
 SOURCE = pathlib.Path(__file__).with_name("csrc") / "quant_cpu.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 SMALL_M = 32
-A16_MIN_M = 8         # int8: int16 activations from this many rows on (csrc: w8_gemm -> w8_gemm_a16)
+A16_MIN_M = 5         # int8: int16 activations from this many rows on, and at 1 row (csrc: w8_gemm)
 _P, _I, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 

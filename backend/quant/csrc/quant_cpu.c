@@ -25,6 +25,9 @@
  * Scales are fp16 (raw uint16 here), widened once per group. Per-group partial sums with a
  * scale applied afterwards were tried first: with G = 32 their per-group bookkeeping cost more
  * than the multiply-adds.
+ * These weight-only loops are the reference numerics (TRITON_LLM_INT8_ACT=fp32); by default int8
+ * (per channel, or groups of 32) takes int16 activations at 1 row and from a16_min_m = 5 rows on
+ * (w8_gemm at the end of the int8 section), int4 and int8 at 2-4 rows stay here.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -229,7 +232,7 @@ void w8_gemm_f32a(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_
  */
 #ifdef __AVX2__
 #define A16_X_BYTES (192 << 10)   /* int16 activation panel kept in L2 while weight rows stream */
-static int64_t a16_min_m = 8;        /* backend/quant/cpu.py sets it at load */
+static int64_t a16_min_m = 5;        /* backend/quant/cpu.py sets it at load */
 void w8_set_a16_min_m(int64_t m) { a16_min_m = m; }   /* 0: never (weight-only loops for every M) */
 int64_t w8_a16_min_m(void) { return a16_min_m; }
 
