@@ -181,3 +181,22 @@ def test_handover_moves_half_size_blocks_and_refuses_a_dtype_mismatch():
     pair = DisaggPair(engine("fp16"), engine("auto"), SharedMemoryConnector())
     assert run(pair, prompts()) == want32
     assert pair.decode_role.stats.recomputed == len(prompts())
+
+
+def test_offload_tier_holds_half_blocks_and_swaps_them_back():
+    """The host tier follows the pool's dtype: a prompt evicted from a small fp16 pool comes back from
+    the tier (half the fp32 bytes per block) and gives the same tokens as the first time."""
+    eng = engine("fp16", num_kv_blocks=12, host_tier_blocks=32)
+    tier = eng.kv.offload.tiers[0]
+    assert tier.name == "host" and tier.data.dtype == torch.float16
+    first = prompts()[3]                                    # 90 tokens: 5 full blocks
+    want = run(eng, [first])["r0"]
+    run(eng, prompts()[:3] + [list(reversed(first))])       # fill the 12-block pool: `first` evicted
+    before = eng.kv.stats()
+    assert before.offload_out_blocks >= 5
+    assert run(eng, [first])["r0"] == want
+    after = eng.kv.stats()
+    assert after.offload_in_blocks > before.offload_in_blocks
+    cfg = eng.runner.config
+    assert after.offload_in_bytes - before.offload_in_bytes == \
+        (after.offload_in_blocks - before.offload_in_blocks) * cfg.num_layers * 2 * 16 * cfg.num_kv_heads * cfg.head_dim * 2
