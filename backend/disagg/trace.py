@@ -208,6 +208,13 @@ def report(directory: str | os.PathLike, window: tuple[float, float] | None = No
     cut = pct(ce, 0.99)
     tail = [k for k in keys if c_itl[k] >= cut]
     tail_eng = [e_itl[k] for k in tail]
+    # ... and their split (run P): client ITL of token k = its engine ITL + (delivery lag of k - of
+    # k-1), the lag being the step's first-token lag + the token's position within its step's sends
+    first_of = {te: min(v) for te, v in by_step.items()}
+    split = [(c_itl[k], e_itl[k], (cli[k] - eng[k]) - (cli[p] - eng[p]),
+              first_of.get(eng[k], 0.0) - first_of.get(eng[p], 0.0))
+             for k in tail for p in [(k[0], k[1] - 1)] if p in eng and p in cli]
+    mean = lambda i: sum(x[i] for x in split) / len(split) if split else float("nan")   # noqa: E731
     out = {
         "tokens": len(keys),
         "client_itl_p50": pct(ce, 0.5), "client_itl_p99": pct(ce, 0.99),
@@ -228,6 +235,8 @@ def report(directory: str | os.PathLike, window: tuple[float, float] | None = No
         "tail_tokens": len(tail),
         "tail_engine_itl_p50": pct(tail_eng, 0.5),
         "tail_with_slow_engine": sum(1 for x in tail_eng if x >= cut * 0.75),
+        "tail_mean_client_itl": mean(0), "tail_mean_engine_itl": mean(1), "tail_mean_delivery_diff": mean(2),
+        "tail_mean_first_lag_diff": mean(3), "tail_mean_position_diff": mean(2) - mean(3),
     }
     return out
 
@@ -253,7 +262,11 @@ def format_report(r: dict) -> str:
             f"GC in the decode process: {gc_s}\n"
             f"GC in the client process: {cgc_s}\n"
             f"the client's p99 tokens: {r['tail_tokens']}, of which {r['tail_with_slow_engine']} had an engine "
-            f"ITL >= 0.75 x the client p99 (engine ITL p50 of those {ms('tail_engine_itl_p50')} ms)")
+            f"ITL >= 0.75 x the client p99 (engine ITL p50 of those {ms('tail_engine_itl_p50')} ms)\n"
+            f"those tokens on average: client ITL {ms('tail_mean_client_itl')} = engine ITL "
+            f"{ms('tail_mean_engine_itl')} + delivery diff {ms('tail_mean_delivery_diff')} ms (the step's first-token "
+            f"lag {ms('tail_mean_first_lag_diff')} + the token's position in its step's sends "
+            f"{ms('tail_mean_position_diff')})")
 
 
 if __name__ == "__main__":

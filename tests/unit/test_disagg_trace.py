@@ -46,3 +46,7 @@ def test_report_splits_engine_cadence_from_delivery(tmp_path):
     assert abs(r["delivery_p50"] - 0.001) < 1e-6 and abs(r["delivery_max"] - 0.009) < 1e-6
     assert r["tail_tokens"] >= 1 and r["tail_with_slow_engine"] == 0
     assert r["steps"] == 20 and abs(r["cadence_p50"] - 0.01) < 1e-6
+    # the late token's 18 ms = 10 ms of engine cadence + 8 ms of its place in its step's sends
+    # (that step's first token, s-0's, was on time)
+    assert r["tail_mean_client_itl"] > 0.017 and abs(r["tail_mean_engine_itl"] - 0.01) < 1e-6
+    assert abs(r["tail_mean_first_lag_diff"]) < 1e-9 and abs(r["tail_mean_position_diff"] - 0.008) < 1e-6
