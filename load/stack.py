@@ -18,8 +18,18 @@ MODEL_OPTIONS = {"bench-15m": {"kv_cache_memory": 512 * MiB, "max_num_seqs": 64}
 
 
 def engine_options(model: str, extra: list[str] | None = None) -> dict:
-    """The preset's benchmark options, overridden by KEY=VALUE items."""
-    return {**MODEL_OPTIONS.get(pathlib.Path(model).name, {}), **parse_options(extra)}
+    """The preset's benchmark options, overridden by KEY=VALUE items. A checkpoint that is not a
+    preset (the default model) gets the KV budget ``triton-llm serve`` gives it, so a run measures
+    what a user of ``serve`` gets (EngineArgs' own 256 MiB had evicted the prompts that a peers
+    run replays)."""
+    from backend.cli import SERVE_KV_CACHE_MEMORY
+    from backend.make_model import PRESETS
+
+    given, name = parse_options(extra), pathlib.Path(model).name
+    base = MODEL_OPTIONS.get(name, {})
+    if name not in PRESETS and not {"kv_cache_memory", "num_kv_blocks"} & set(given):
+        base = {"kv_cache_memory": SERVE_KV_CACHE_MEMORY}
+    return {**base, **given}
 
 
 def resolve_model(name_or_dir: str) -> pathlib.Path:

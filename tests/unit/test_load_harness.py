@@ -239,3 +239,13 @@ def test_histogram_quantile_from_bucket_deltas():
     assert bucket_quantile(0.2, before, after) == pytest.approx(0.001 + 0.009 * 0.5)
     assert bucket_quantile(0.7, before, after) == pytest.approx(0.01 + 0.09 * 0.5)
     assert bucket_quantile(0.5, after, after) is None
+
+
+def test_a_checkpoint_gets_serves_kv_budget_and_presets_keep_theirs():
+    from backend.cli import SERVE_KV_CACHE_MEMORY
+    from load.stack import MODEL_OPTIONS, engine_options
+
+    assert engine_options("models/default") == {"kv_cache_memory": SERVE_KV_CACHE_MEMORY}
+    assert engine_options("models/default", ["num_kv_blocks=64"]) == {"num_kv_blocks": "64"}
+    assert engine_options("bench-15m") == MODEL_OPTIONS["bench-15m"]
+    assert engine_options("build/models/tiny", ["num_threads=1"]) == {"num_threads": "1"}
