@@ -30,15 +30,16 @@ def model_max_len(cfg, args: EngineArgs) -> int:
 
 
 def num_kv_blocks(cfg, args: EngineArgs) -> int:
-    """Blocks in the device KV pool: ``num_kv_blocks``, else as many as ``kv_cache_memory`` holds."""
+    """Blocks in the device KV pool: ``num_kv_blocks``, else as many as ``kv_cache_memory`` holds
+    (in the pool's element type: ``kv_cache_dtype`` fp16/bf16 fit twice the fp32 blocks)."""
     if args.num_kv_blocks:
         return args.num_kv_blocks
     from backend.kv_cache.storage import KVCacheStorage
-    from backend.model.loader import parse_dtype
+    from backend.model.loader import kv_cache_torch_dtype
 
     per_block = KVCacheStorage.bytes_per_block(num_layers=cfg.num_layers, block_size=args.block_size,
                                                num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                                               dtype=parse_dtype(args.dtype, args.device))
+                                               dtype=kv_cache_torch_dtype(args))
     return args.kv_cache_memory // per_block
 
 

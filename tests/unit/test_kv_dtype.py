@@ -120,6 +120,18 @@ def test_option_values_and_pool():
     assert EngineArgs.from_dict({"kv_cache_dtype": "bf16"}).kv_cache_dtype == "bf16"
 
 
+def test_a_half_pool_holds_twice_the_blocks_of_the_same_budget():
+    from backend.context import num_kv_blocks
+    from backend.model.config import load_model_config
+
+    cfg = load_model_config(model_dir("tiny"))
+    fp32 = num_kv_blocks(cfg, EngineArgs(kv_cache_memory=1 << 24))
+    for kv in ("fp16", "bf16"):
+        assert num_kv_blocks(cfg, EngineArgs(kv_cache_memory=1 << 24, kv_cache_dtype=kv)) == 2 * fp32
+        assert LLMEngine(model_dir("tiny"), EngineArgs(num_threads=1, kv_cache_memory=1 << 24,
+                                                       kv_cache_dtype=kv)).kv.num_blocks == 2 * fp32
+
+
 GREEDY = SamplingParams(temperature=0, max_tokens=12, min_tokens=12)
 
 
