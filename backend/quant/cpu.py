@@ -15,7 +15,8 @@ an activation rounding of at most max|x[m]| / (2 Q) per element, Q = min(32767, 
 (127 K)) (bound and measurements in docs/quantization.md). ``TRITON_LLM_INT8_ACT=fp32`` turns it off
 (weight-only numerics for every M). This covers the fused decode step too, which calls ``w8_gemm``.
 
-2-7 rows (decode at 2-7 streams), other int8 groups and int4: the weight-only C loops for
+2 rows per channel: the same GEMV on both rows (2.1-2.2x). 3-4 rows (and 2 in groups of 32),
+other int8 groups and int4: the weight-only C loops for
 M <= ``SMALL_M`` (bound by weight bytes). Above it the weight is dequantized into an fp32 scratch
 once and BLAS runs (compute-bound there; the N*K dequantization is small next to M*N*K
 multiply-adds) -- except per-channel int8, which keeps the int16 kernel for every M (it beat
@@ -36,7 +37,7 @@ import torch.nn.functional as F
 SOURCE = pathlib.Path(__file__).with_name("csrc") / "quant_cpu.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 SMALL_M = 32
-A16_MIN_M = 5         # int8: int16 activations from this many rows on, and at 1 row (csrc: w8_gemm)
+A16_MIN_M = 5         # int8: int16 activations from this many rows on, and at 1 (and, per channel, 2) rows (csrc: w8_gemm)
 _P, _I, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 

@@ -22,8 +22,10 @@ SHAPES = [(1, 37, 100), (2, 37, 100), (3, 19, 77), (5, 64, 200), (8, 21, 100), (
 
 def takes_a16(m: int, k: int, group: int | None) -> bool:
     """Where w8_gemm quantizes activations to int16: 1 row (the 4-stream GEMV) and A16_MIN_M+ rows,
-    per channel or in GGUF Q8_0's groups of 32 (K a multiple of 32)."""
-    return (m == 1 or m >= cpu.A16_MIN_M) and (group is None or (group == 32 and k % 32 == 0 and k > 32))
+    per channel or in GGUF Q8_0's groups of 32 (K a multiple of 32); 2 rows per channel (the GEMV
+    on both rows)."""
+    return ((m == 1 or m >= cpu.A16_MIN_M) and (group is None or (group == 32 and k % 32 == 0 and k > 32))
+            or (m == 2 and group is None))
 
 
 def a16_bound(x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -113,24 +115,28 @@ def test_int16_activation_kernel_within_its_bound(m, n, k, group):
             assert ((y - ref).abs() <= 1e-5 * ref.abs().amax(1, keepdim=True) + 1e-6).all()
 
 
+GEMV_K = [(9, None), (16, None), (17, None), (77, None), (576, None), (1537, None), (9000, None),
+          (64, 32), (96, 32), (160, 32), (576, 32), (9024, 32)]
+
+
 @pytest.mark.parametrize("n", [1, 3, 4, 7, 9, 64, 101])
-@pytest.mark.parametrize("k,group", [(9, None), (16, None), (17, None), (77, None), (576, None), (1537, None),
-                                     (9000, None), (64, 32), (96, 32), (160, 32), (576, 32), (9024, 32)])
-def test_one_row_int16_gemv_against_float64(n, k, group):
+@pytest.mark.parametrize("m,k,group", [(1, k, g) for k, g in GEMV_K] + [(2, k, g) for k, g in GEMV_K if g is None])
+def test_one_row_int16_gemv_against_float64(m, n, k, group):
     """w8_gemv_a16 (1 row; per channel 4 weight rows from the 4 quarters of N per pass, the N % 4
     rest one by one, K % 16 tails scalar; groups of 32 row by row in that order, ng % 4 tail groups)
+    and w8_gemv2_a16 (2 rows, per channel; rows given with a stride, each row its own scale)
     against dequantize-then-matmul in float64, within the int16 bound, with 1 and 2 threads giving
     the same bits; a zero row gives exactly the bias."""
-    torch.manual_seed(n * 7 + k)
+    torch.manual_seed(n * 7 + k + m)
     w, bias = torch.randn(n, k), torch.randn(n)
     qw = layout.quantize_int8(w, group)
-    assert takes_a16(1, k, group)
+    assert takes_a16(m, k, group)
     dq = layout.dequantize(qw)
     before = torch.get_num_threads()
     try:
         for scale in (1e-3, 1.0, 1e3):
-            x = torch.randn(1, k) * scale
-            x[0, k // 2] *= 50                                      # an outlier sets the row's scale
+            x = (torch.randn(m, k + 3) * scale * torch.logspace(0, 2, m)[:, None])[:, 2:k + 2]   # row stride k + 3
+            x[:, k // 2] *= 50                                      # an outlier sets each row's scale
             ref = (x.double() @ dq.double().T + bias.double()).float()
             ys = []
             for threads in (1, 2):
@@ -138,8 +144,8 @@ def test_one_row_int16_gemv_against_float64(n, k, group):
                 ys.append(cpu.gemm(x, "int8", qw.qweight, qw.scales, None, qw.group_size, k, bias))
             assert torch.equal(ys[0], ys[1])
             assert ((ys[0] - ref).abs() <= a16_bound(x, dq, ref)).all()
-        zero = cpu.gemm(torch.zeros(1, k), "int8", qw.qweight, qw.scales, None, qw.group_size, k, bias)
-        assert torch.equal(zero[0], bias)
+        zero = cpu.gemm(torch.zeros(m, k), "int8", qw.qweight, qw.scales, None, qw.group_size, k, bias)
+        assert all(torch.equal(row, bias) for row in zero)
     finally:
         torch.set_num_threads(before)
 

@@ -26,8 +26,9 @@
  * scale applied afterwards were tried first: with G = 32 their per-group bookkeeping cost more
  * than the multiply-adds.
  * These weight-only loops are the reference numerics (TRITON_LLM_INT8_ACT=fp32); by default int8
- * (per channel, or groups of 32) takes int16 activations at 1 row and from a16_min_m = 5 rows on
- * (w8_gemm at the end of the int8 section), int4 and int8 at 2-4 rows stay here.
+ * (per channel, or groups of 32) takes int16 activations at 1 row (per channel also at 2) and
+ * from a16_min_m = 5 rows on (w8_gemm at the end of the int8 section); int4 and int8 at 3-4 rows
+ * stay here.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -375,12 +376,15 @@ static const a16_pc_fn A16_PC_FN[4][4] = {
 
 void w8_gemv_a16(const float *x, int64_t K, const int8_t *w, const uint16_t *scales, int64_t G,
                  const float *bias, int64_t N, float *y, int nthreads);   /* below: M = 1 */
+void w8_gemv2_a16(const float *x, int64_t ldx, int64_t K, const int8_t *w, const uint16_t *scales,
+                  const float *bias, int64_t N, float *y, int64_t ldy, int nthreads);   /* M = 2 */
 
 /* Per output channel (G >= K) or GGUF Q8_0 groups (G = 32, K % 32 == 0); other groups: weight-only. */
 void w8_gemm_a16(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *w, const uint16_t *scales,
                  int64_t G, const float *bias, int64_t N, float *y, int64_t ldy, int nthreads) {
     const int g32 = G == 32 && K % 32 == 0 && K > 32;
     if (M == 1 && (G >= K || g32)) { w8_gemv_a16(x, K, w, scales, G, bias, N, y, nthreads); return; }
+    if (M == 2 && G >= K) { w8_gemv2_a16(x, ldx, K, w, scales, bias, N, y, ldy, nthreads); return; }
     if (G < K && !g32) { w8_gemm_f32a(x, M, K, ldx, w, scales, G, bias, N, y, ldy, nthreads); return; }
     const int MR = A16_MR, NR = g32 ? 1 : A16_NR;
     int64_t ng = (K + G - 1) / G;
@@ -490,6 +494,52 @@ void w8_gemv_a16(const float *x, int64_t K, const int8_t *w, const uint16_t *sca
         y[n] = (float)a16_dot1(xq, w + n * K, K) * (h2f(scales[n]) * sx) + (bias ? bias[n] : 0.f);
     if (xq != stack) free(xq);
 }
+
+/* Two activation rows, per channel (decode at 2 streams, 2-token prefill tails): the one-row
+ * GEMV's 4 weight rows per pass, each widened weight vector used for both rows (8 int32
+ * accumulators, no spills). */
+void w8_gemv2_a16(const float *x, int64_t ldx, int64_t K, const int8_t *w, const uint16_t *scales,
+                  const float *bias, int64_t N, float *y, int64_t ldy, int nthreads) {
+    int64_t ldq = (K + 15) & ~(int64_t)15, qn = N / 4;
+    int16_t stack[8192], *xq = 2 * ldq <= 8192 ? stack : malloc((size_t)(2 * ldq) * sizeof(int16_t));
+    float sx[2];
+    a16_quantize(x, ldx, 2, K, a16_q(K), xq, ldq, sx, 1);
+    const int16_t *x0 = xq, *x1 = xq + ldq;
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t i = 0; i < qn; i++) {
+        const int8_t *wr[4] = {w + i * K, w + (qn + i) * K, w + (2 * qn + i) * K, w + (3 * qn + i) * K};
+        __m256i a0[4], a1[4];
+        for (int j = 0; j < 4; j++) a0[j] = a1[j] = _mm256_setzero_si256();
+        int64_t k = 0;
+        for (; k + 16 <= K; k += 16) {
+            __m256i xv0 = ld_x16(x0 + k), xv1 = ld_x16(x1 + k);
+            for (int j = 0; j < 4; j++) {
+                __m256i u = ld_w16(wr[j] + k);
+                a0[j] = _mm256_add_epi32(a0[j], _mm256_madd_epi16(u, xv0));
+                a1[j] = _mm256_add_epi32(a1[j], _mm256_madd_epi16(u, xv1));
+            }
+        }
+        __m256i h0 = _mm256_hadd_epi32(_mm256_hadd_epi32(a0[0], a0[1]), _mm256_hadd_epi32(a0[2], a0[3]));
+        __m256i h1 = _mm256_hadd_epi32(_mm256_hadd_epi32(a1[0], a1[1]), _mm256_hadd_epi32(a1[2], a1[3]));
+        int32_t r0[4], r1[4];
+        _mm_storeu_si128((__m128i *)r0, _mm_add_epi32(_mm256_castsi256_si128(h0), _mm256_extracti128_si256(h0, 1)));
+        _mm_storeu_si128((__m128i *)r1, _mm_add_epi32(_mm256_castsi256_si128(h1), _mm256_extracti128_si256(h1, 1)));
+        for (; k < K; k++)
+            for (int j = 0; j < 4; j++) { r0[j] += (int32_t)x0[k] * wr[j][k]; r1[j] += (int32_t)x1[k] * wr[j][k]; }
+        for (int j = 0; j < 4; j++) {
+            int64_t n = j * qn + i;
+            float s = h2f(scales[n]), b = bias ? bias[n] : 0.f;
+            y[n] = (float)r0[j] * (s * sx[0]) + b;
+            y[ldy + n] = (float)r1[j] * (s * sx[1]) + b;
+        }
+    }
+    for (int64_t n = 4 * qn; n < N; n++) {
+        float s = h2f(scales[n]), b = bias ? bias[n] : 0.f;
+        y[n] = (float)a16_dot1(x0, w + n * K, K) * (s * sx[0]) + b;
+        y[ldy + n] = (float)a16_dot1(x1, w + n * K, K) * (s * sx[1]) + b;
+    }
+    if (xq != stack) free(xq);
+}
 #else
 void w8_set_a16_min_m(int64_t m) { (void)m; }
 int64_t w8_a16_min_m(void) { return 0; }
@@ -506,6 +556,10 @@ void w8_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *w,
 #ifdef __AVX2__
     if (a16_min_m > 0 && M == 1 && (G >= K || (G == 32 && K % 32 == 0 && K > 32))) {   /* 4-stream GEMV */
         w8_gemv_a16(x, K, w, scales, G, bias, N, y, nthreads);
+        return;
+    }
+    if (a16_min_m > 0 && M == 2 && G >= K) {          /* 2 rows, per channel: the same, both rows */
+        w8_gemv2_a16(x, ldx, K, w, scales, bias, N, y, ldy, nthreads);
         return;
     }
     if (a16_min_m > 0 && M >= a16_min_m && (G >= K || (G == 32 && K % 32 == 0 && K > 32))) {
