@@ -8,7 +8,8 @@ round by round so background load hits every contender alike.
 Before/after a code change in one run: ``NAME@tree=DIR`` serves that contender's stack from another
 checkout (e.g. ``git archive <commit> | tar -x -C DIR``, with ``DIR/build`` linked to this tree's
 build/ for the cached models and kernels), in a child process with ``DIR`` as its working directory;
-the benchmark client stays this tree's. The stubs import DIR's ``backend`` only since ``b4f97e5``
+the benchmark client stays this tree's. ``NAME@env.VAR=VALUE`` starts that contender's stack with
+``VAR=VALUE`` in its environment (e.g. ``http@env.OMP_WAIT_POLICY=PASSIVE``). The stubs import DIR's ``backend`` only since ``b4f97e5``
 (the model adapters put PYTHONPATH first); a DIR older than that needs those three lines in its
 ``model_repository/*/1/model.py``, else its engine runs this tree's backend code.
 
@@ -130,15 +131,20 @@ class Contender:
         self.label = label
         self.name, extra = split_contender(label)
         self.tree = extra.pop("tree", None)
+        # env.NAME=VALUE: the stack's processes start with it (tritonserver, its stubs, the shim)
+        self.env = {k[len("env."):]: extra.pop(k) for k in list(extra) if k.startswith("env.")}
+        if self.env and self.name == "engine":
+            raise ValueError("env.NAME=VALUE is for stack contenders (the in-process engine is this process)")
         self.model, self.opts = model, {**opts, **extra}
         self.stack = self.be = None
 
     async def open(self) -> "Contender":
-        old_env = os.environ.get(POSTPROCESSING_STEP_ENV)   # read when the repository is generated
+        saved = {k: os.environ.get(k) for k in (POSTPROCESSING_STEP_ENV, *self.env)}  # read at start
         if self.name.endswith("-post"):
             os.environ[POSTPROCESSING_STEP_ENV] = "1"
         else:
             os.environ.pop(POSTPROCESSING_STEP_ENV, None)
+        os.environ.update(self.env)
         try:
             name, model, opts, http = self.name, self.model, self.opts, self.name.startswith("http")
             if name == "engine":
@@ -155,10 +161,11 @@ class Contender:
             await self.close()
             raise
         finally:
-            if old_env is None:
-                os.environ.pop(POSTPROCESSING_STEP_ENV, None)
-            else:
-                os.environ[POSTPROCESSING_STEP_ENV] = old_env
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         return self
 
     async def close(self) -> None:

@@ -36,6 +36,20 @@ class ServerStartError(RuntimeError):
     """tritonserver exited or did not become ready; the message ends with its log's tail."""
 
 
+# OpenMP threads that wait for work sleep at once instead of spinning (libgomp spins ~0.1-0.3 ms
+# after every parallel region by default). In a process of its own the engine's spinning worker
+# costs nothing; in the server it takes the core that tritonserver, the shim and the response
+# thread need between steps, so they preempt the engine thread instead (measured: the engine
+# thread waited ~5-10 ms per 32-stream step on the run queue; docs/benchmarks.md "The GIL and
+# idle cores"). A value in the caller's environment wins.
+STUB_ENV_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def stub_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with STUB_ENV_DEFAULTS where it does not set them."""
+    return {**STUB_ENV_DEFAULTS, **env}
+
+
 class TritonServer:
     def __init__(self, model_dir: str | os.PathLike, *, host: str = "127.0.0.1",
                  http_port: int | None = None, grpc_port: int | None = None,
@@ -120,7 +134,7 @@ class TritonServer:
                                          instances=self.instances, src=self.repository_src)
         for attempt in (1, 2):
             self.proc = spawn(self.command(install, repository, backends, attempt), self.log_path, cwd=self.workdir,
-                              env=server_env(install))
+                              env=stub_env(server_env(install)))
             try:
                 self._wait_ready()
                 return self

@@ -25,6 +25,7 @@ from backend.serving.tensors import config_parameters, require_model_dir
 from backend.serving import ttft_trace
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+SWITCH_INTERVAL_S = 0.0005      # the stub's GIL switch interval (Python's default: 0.005)
 
 
 class Responder:
@@ -105,6 +106,11 @@ class TritonPythonModel:
         # bench, docs/benchmarks.md).
         gc.collect()
         gc.freeze()
+        # The engine thread gives up the GIL at every C call (the decode step, torch ops) and wants
+        # it back when the call returns; the response and metrics threads then hold it for up to
+        # the switch interval (5 ms by default) before it changes hands, a stall of the whole step
+        # for every stream. 0.5 ms bounds that wait (docs/benchmarks.md "The GIL and idle cores").
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
 
     @staticmethod
     def _config(args):
