@@ -74,7 +74,8 @@ def _build(source: pathlib.Path = SOURCE, flags: list[str] = FLAGS,
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         return None
-    key = hashlib.sha256(source.read_bytes() + b"".join(p.read_bytes() for p in extra)
+    headers = sorted(source.parent.glob("*.h"))          # included by the sources (simd_exp.h)
+    key = hashlib.sha256(source.read_bytes() + b"".join(p.read_bytes() for p in (*extra, *headers))
                          + " ".join(flags).encode() + _cpu_flags().encode()
                          + platform.machine().encode()).hexdigest()[:16]
     out = _cache_dir() / f"{source.stem}-{key}.so"

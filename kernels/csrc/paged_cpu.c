@@ -26,6 +26,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "simd_exp.h"
+
 typedef float v8 __attribute__((vector_size(32)));
 typedef uint16_t v8h __attribute__((vector_size(16)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
@@ -104,25 +106,6 @@ static inline void hsum4(v8 a0, v8 a1, v8 a2, v8 a3, float scale, float *s) {
 #define LOAD_BF16(p, i) bf16_f32((p)[i])
 #define LOAD_F16(p, i) f16_f32((p)[i])
 
-#if defined(__AVX2__) && defined(__FMA__)
-/* exp of 8 floats (Cephes expf: n = round(x log2 e), r = x - n ln 2 in two parts, degree-6
- * polynomial, times 2^n): within ~2 ulp of expf over the clamped range (decode_cpu.c's exp8). */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654475f)), _mm256_set1_ps(88.37626266f));
-    __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-#endif
 
 /* softmax in place over n scores. With AVX2 + FMA the max and exp run 8 lanes at a time (exp8; the
  * scalar expf of every score was about a third of a decode's attention time at 48-wide heads). */
