@@ -554,15 +554,10 @@ void w8_gemm_a16(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t
 void w8_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *w, const uint16_t *scales,
              int64_t G, const float *bias, int64_t N, float *y, int64_t ldy, int nthreads) {
 #ifdef __AVX2__
-    if (a16_min_m > 0 && M == 1 && (G >= K || (G == 32 && K % 32 == 0 && K > 32))) {   /* 4-stream GEMV */
-        w8_gemv_a16(x, K, w, scales, G, bias, N, y, nthreads);
-        return;
-    }
-    if (a16_min_m > 0 && M == 2 && G >= K) {          /* 2 rows, per channel: the same, both rows */
-        w8_gemv2_a16(x, ldx, K, w, scales, bias, N, y, ldy, nthreads);
-        return;
-    }
-    if (a16_min_m > 0 && M >= a16_min_m && (G >= K || (G == 32 && K % 32 == 0 && K > 32))) {
+    /* int16 activations (w8_gemm_a16 routes 1 row and, per channel, 2 rows to its GEMVs) for
+     * per-channel or Q8_0-grouped weights at 1-2 rows and from a16_min_m rows on */
+    const int rows_ok = M == 1 || (M == 2 && G >= K) || M >= a16_min_m;
+    if (a16_min_m > 0 && rows_ok && (G >= K || (G == 32 && K % 32 == 0 && K > 32))) {
         w8_gemm_a16(x, M, K, ldx, w, scales, G, bias, N, y, ldy, nthreads);
         return;
     }
