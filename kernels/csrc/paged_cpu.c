@@ -140,9 +140,13 @@ static void softmax(float *s, int64_t n) {
     for (t = 0; t < n; t++) s[t] *= inv;
 }
 
-/* Bring a block's K or V rows [m, row_stride] (elements of es bytes) towards L1/L2 ahead of use. */
-static inline void prefetch_block(const void *p, int64_t bytes) {
-    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)p + o);
+/* Bring the used rows of a sequence's b-th block (of n context tokens; rows of row_bytes in a
+ * cache of block_bytes per block) towards L1/L2 ahead of use. */
+static inline void prefetch_block(const void *cache, const int32_t *table, int64_t b, int64_t n,
+                                  int64_t bs, int64_t row_bytes) {
+    const char *p = (const char *)cache + (int64_t)table[b] * bs * row_bytes;
+    const int64_t rows = n - b * bs < bs ? n - b * bs : bs, bytes = rows * row_bytes;
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o);
 }
 
 /* One query row, every head, D = 8 * ND: scores into s[qh * n + t], output into o[qh * D ..].
@@ -156,12 +160,11 @@ static void NAME(const float *qrow, const KT *kc, const KT *vc, const int32_t *t
                  int64_t bs, int64_t hq, int64_t hkv, float scale, float *s, float *o) {           \
     const int64_t D = 8 * ND, row_stride = hkv * D, g_n = hq / hkv;                                \
     const int64_t blk = bs * row_stride, nb = (n + bs - 1) / bs;                                   \
+    const int64_t row_bytes = row_stride * (int64_t)sizeof(KT);                                    \
     for (int64_t b = 0, t0 = 0; b < nb; b++, t0 += bs) {                                           \
         const KT *kb = kc + (int64_t)table[b] * blk;                                               \
         const int64_t m = n - t0 < bs ? n - t0 : bs;                                               \
-        if (b + 1 < nb)                                                                            \
-            prefetch_block(kc + (int64_t)table[b + 1] * blk,                                       \
-                           (n - t0 - bs < bs ? n - t0 - bs : bs) * row_stride * (int64_t)sizeof(KT)); \
+        if (b + 1 < nb) prefetch_block(kc, table, b + 1, n, bs, row_bytes);                        \
         for (int64_t qh = 0; qh < hq; qh++) {                                                      \
             v8 q[ND];                                                                              \
             for (int j = 0; j < ND; j++) q[j] = ld_f32(qrow + qh * D + 8 * j);                     \
@@ -187,13 +190,11 @@ static void NAME(const float *qrow, const KT *kc, const KT *vc, const int32_t *t
     }                                                                                              \
     for (int64_t qh = 0; qh < hq; qh++) softmax(s + qh * n, n);                                    \
     memset(o, 0, sizeof(float) * (size_t)(hq * D));                                                \
-    if (nb > 0) prefetch_block(vc + (int64_t)table[0] * blk, (n < bs ? n : bs) * row_stride * (int64_t)sizeof(KT)); \
+    if (nb > 0) prefetch_block(vc, table, 0, n, bs, row_bytes);                                    \
     for (int64_t b = 0, t0 = 0; b < nb; b++, t0 += bs) {                                           \
         const KT *vb = vc + (int64_t)table[b] * blk;                                               \
         const int64_t m = n - t0 < bs ? n - t0 : bs;                                               \
-        if (b + 1 < nb)                                                                            \
-            prefetch_block(vc + (int64_t)table[b + 1] * blk,                                       \
-                           (n - t0 - bs < bs ? n - t0 - bs : bs) * row_stride * (int64_t)sizeof(KT)); \
+        if (b + 1 < nb) prefetch_block(vc, table, b + 1, n, bs, row_bytes);                        \
         for (int64_t qh = 0; qh < hq; qh++) {                                                      \
             v8 acc[ND];                                                                            \
             float *oh = o + qh * D;                                                                \
