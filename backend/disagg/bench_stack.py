@@ -31,8 +31,9 @@ A/Bs decode-process settings in one run, e.g. ``isolate,isolate+cancel=1.0`` (se
 ``&``, e.g. ``isolate+metrics=0&offcore=llm-responses``): ``si`` (GIL switch
 interval, s), ``cancel`` (the response thread's is_cancelled() period, s), ``nice`` (the step
 thread's nice), ``async`` (hand-overs of at least this many blocks are placed off the step; 8 by
-default, ``isolate+async=100000``: every KV fetch and write inside the step, as before), ``yield``
-(ms: a decode step first waits up to this long for the response thread to send the last one's tokens). This client's heap is frozen after start-up (``--client-gc``): its own full
+default, ``isolate+async=100000``: every KV fetch and write inside the step, as before). (Run P3's
+``yield`` knob was removed after that run: it hooked the response thread's private methods.) A layout
+without knobs gets the stub's own settings (``DEFAULT_KNOBS``). This client's heap is frozen after start-up (``--client-gc``): its own full
 collections (up to 240 ms) would otherwise be counted as ITL.
 
 Engine options per layout: ``layout~key=value[~key=value]`` (no --trace needed) runs that layout on
@@ -51,6 +52,7 @@ import statistics
 import time
 
 from backend.serving.disagg_serve import LAYOUTS, DisaggServers, pin_tree, sched_tree
+from backend.serving.engine_service import STUB_SWITCH_INTERVAL_S
 from backend.serving.tritonserver import TritonServer
 from client.disagg_client import DisaggLLMClient
 from client.triton_client import TritonLLMClient
@@ -138,11 +140,11 @@ async def run_phase(client, a, seed: int, tag: str = "") -> dict:
             "ttft_p99": pct(ttft, 0.99), "tok_s": tokens / a.seconds, "n_itl": len(itl), "n_ttft": len(ttft)}
 
 
-# what a layout without +knobs gets: Python's switch interval, the roles' own cancel-check period
-DEFAULT_KNOBS = {"switch_interval": 0.005, "cancel_check_interval": 1.0, "admit_async_min_blocks": 8,
-                 "metrics_ipc": 1, "offcore": "none", "yield_ms": 0}
+# what a layout without +knobs gets: the engine stub's switch interval, the roles' own cancel-check period
+DEFAULT_KNOBS = {"switch_interval": STUB_SWITCH_INTERVAL_S, "cancel_check_interval": 1.0, "admit_async_min_blocks": 8,
+                 "metrics_ipc": 1, "offcore": "none"}
 KNOB_ALIASES = {"si": "switch_interval", "nice": "step_nice", "cancel": "cancel_check_interval",
-                "async": "admit_async_min_blocks", "metrics": "metrics_ipc", "yield": "yield_ms"}
+                "async": "admit_async_min_blocks", "metrics": "metrics_ipc"}
 
 
 async def warm_up(client) -> None:

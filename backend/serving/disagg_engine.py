@@ -155,62 +155,12 @@ def apply_knobs(knobs: dict) -> None:
                 except OSError:
                     pass
         _OFFCORE_SEEN.update(names)
-    if "yield_ms" in knobs:                     # A/B only: the step waits (cap, ms) for the sends of the last one
-        _GATE.set_cap(float(knobs["yield_ms"]) / 1e3)
     if "step_nice" in knobs:                    # this (the engine) thread's nice value
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), int(knobs["step_nice"]))
         except OSError:
             pass
     log.warning("decode knobs now %s (switch interval %.4f s)", knobs, sys.getswitchinterval())
-
-
-class _DeliveryGate:
-    """Bench A/B (``yield_ms``): before a decode step, wait (up to the cap) until the response thread
-    has sent the previous step's tokens, so that its sends do not share the decode core with the
-    next step's computation (their spread within a step was the larger part of the client's ITL
-    tail, benchmarks.md run P). Hooks the response thread's ``_drain`` / ``step`` (instance
-    attributes), so it needs no change to backend/serving/response_thread.py; off (cap 0) by default."""
-
-    def __init__(self) -> None:
-        self.cap = 0.0
-        self.idle = threading.Event()
-        self.idle.set()
-        self.rt = None
-
-    def set_cap(self, cap: float) -> None:
-        self.cap = cap
-        if cap > 0 and self.rt is None:
-            for t in threading.enumerate():
-                rt = getattr(getattr(t, "_target", None), "__self__", None)
-                if t.name == "llm-responses" and hasattr(rt, "_drain") and hasattr(rt, "step"):
-                    self._hook(rt)
-                    break
-
-    def _hook(self, rt) -> None:
-        self.rt = rt
-        drain, step, idle = rt._drain, rt.step, self.idle
-
-        def hooked_drain(batch):
-            idle.clear()
-            return drain(batch)
-
-        def hooked_step(timeout):
-            try:
-                return step(timeout)
-            finally:
-                idle.set()
-        rt._drain, rt.step = hooked_drain, hooked_step
-
-    def wait(self) -> None:
-        if self.cap <= 0 or self.rt is None:
-            return
-        if self.rt._q.qsize():
-            self.idle.clear()                   # posted, not taken yet: the thread will set it when done
-        self.idle.wait(self.cap)
-
-
-_GATE = _DeliveryGate()
 
 
 class _NoMetric:
@@ -295,7 +245,6 @@ class DecodeEngine(_Wrapped):
             apply_knobs(knobs)
             if "admit_async_min_blocks" in knobs:     # A/B: a huge value = every fetch inside the step
                 self.role.async_min_blocks = int(knobs["admit_async_min_blocks"])
-        _GATE.wait()
         t0 = time.monotonic()
         running = len(self._engine.scheduler.running)
         deltas = self._step()

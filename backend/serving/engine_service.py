@@ -24,7 +24,14 @@ from backend.serving.messages import Incoming
 from backend.serving.response_thread import CANCEL_CHECK_INTERVAL, ResponseThread
 from backend.serving.tombstones import AbortTombstones
 
-__all__ = ["EngineService", "Incoming", "build_engine_service"]
+__all__ = ["EngineService", "Incoming", "build_engine_service", "STUB_SWITCH_INTERVAL_S"]
+
+# The engine stub's GIL switch interval (Python's default: 0.005 s), set by its model adapter. The
+# engine thread gives up the GIL at every C call (the decode step, torch ops) and wants it back when
+# the call returns; the response and metrics threads then hold it for up to the switch interval
+# before it changes hands, a stall of the whole step for every stream. 0.5 ms bounds that wait
+# (docs/benchmarks.md "The GIL and idle cores"). backend/disagg/bench_stack.py starts from it too.
+STUB_SWITCH_INTERVAL_S = 0.0005
 
 
 class EngineService:

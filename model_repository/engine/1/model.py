@@ -18,14 +18,13 @@ import logging
 import triton_python_backend_utils as pb_utils
 
 from backend import protocol as P
-from backend.serving.engine_service import Incoming, build_engine_service
+from backend.serving.engine_service import STUB_SWITCH_INTERVAL_S, Incoming, build_engine_service
 from backend.serving.errors import to_wire, triton_code
 from backend.serving.stub_exit import exit_stub
 from backend.serving.tensors import config_parameters, require_model_dir
 from backend.serving import ttft_trace
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-SWITCH_INTERVAL_S = 0.0005      # the stub's GIL switch interval (Python's default: 0.005)
 
 
 class Responder:
@@ -106,11 +105,8 @@ class TritonPythonModel:
         # bench, docs/benchmarks.md).
         gc.collect()
         gc.freeze()
-        # The engine thread gives up the GIL at every C call (the decode step, torch ops) and wants
-        # it back when the call returns; the response and metrics threads then hold it for up to
-        # the switch interval (5 ms by default) before it changes hands, a stall of the whole step
-        # for every stream. 0.5 ms bounds that wait (docs/benchmarks.md "The GIL and idle cores").
-        sys.setswitchinterval(SWITCH_INTERVAL_S)
+        # The engine thread gets the GIL back promptly after each C call (see the constant).
+        sys.setswitchinterval(STUB_SWITCH_INTERVAL_S)
 
     @staticmethod
     def _config(args):
