@@ -71,13 +71,10 @@ KV_CACHE_DTYPES = {"fp16": torch.float16, "float16": torch.float16, "bf16": torc
 def kv_cache_torch_dtype(args) -> torch.dtype:
     """The KV pool's element type for engine options ``args``: ``kv_cache_dtype`` ``auto`` = the
     model's dtype, ``fp16`` / ``bf16`` (also spelled ``float16`` / ``bfloat16``) a half-size cache
-    whatever the model's dtype (attention math stays fp32 on the CPU paths)."""
-    name = getattr(args, "kv_cache_dtype", "auto")
-    if name == "auto":
-        return parse_dtype(args.dtype, args.device)
-    if name not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be auto, fp16 or bf16 (got {name!r})")
-    return KV_CACHE_DTYPES[name]
+    whatever the model's dtype (attention math stays fp32 on the CPU paths). The name was checked
+    by ``EngineArgs``."""
+    name = args.kv_cache_dtype
+    return parse_dtype(args.dtype, args.device) if name == "auto" else KV_CACHE_DTYPES[name]
 
 
 def checkpoint_files(model_dir: str | pathlib.Path) -> list[pathlib.Path]:
