@@ -260,20 +260,27 @@ def _hang_up(holds: list[dict], stop: threading.Event, threads: list[threading.T
 
 
 def test_a_saturated_primary_degrades_only_requests_that_opt_in(scaled):
-    # 16 long requests kept open on 2 replicas: 8 per replica > FALLBACK_MAX_ONGOING saturates the primary
+    # 16 long requests kept open on 2 replicas: 8 per replica > FALLBACK_MAX_ONGOING saturates the primary.
+    # Their lengths differ, so they do not all finish (and leave the primary for a moment) on one step:
+    # with equal lengths a replica's whole batch ended together and the ingress saw only 8 ongoing.
     holds, stop = [{} for _ in range(16)], threading.Event()
-    threads = [threading.Thread(target=_hold, args=(scaled, {**_conv(i, "Saturating", 900), "stream": False}, h, stop),
-                                daemon=True) for i, h in enumerate(holds)]
+    threads = [threading.Thread(target=_hold, args=(scaled, {**_conv(i, "Saturating", 500 + 25 * i), "stream": False},
+                                                    h, stop), daemon=True) for i, h in enumerate(holds)]
     for t in threads:
         t.start()
+
+    def saturated() -> None:
+        _wait(lambda: _stats(scaled)["ongoing_primary"] >= 12, 60, "the saturating requests to open", 0.1)
+
     try:
-        _wait(lambda: _stats(scaled)["ongoing_primary"] >= 12, 60, "the saturating requests to open", 0.5)
+        saturated()
         before = _stats(scaled)["fallbacks"].get("primary_saturated", 0)
         quick = {"model": "tiny", "max_tokens": 8, "temperature": 0,
                  "messages": [{"role": "user", "content": "Degrade me if you must."}]}
         allow = {"x-allow-fallback": "1"}
         degraded = []
         for _ in range(3):
+            saturated()
             t0 = time.monotonic()
             out, hdrs = _post(scaled, quick, headers=allow, with_headers=True)
             degraded.append((time.monotonic() - t0, out, {k.lower(): v for k, v in hdrs.items()}))
@@ -283,6 +290,7 @@ def test_a_saturated_primary_degrades_only_requests_that_opt_in(scaled):
             assert out["choices"][0]["finish_reason"] == "length"
             assert elapsed < FALLBACK_QUEUE_S, degraded            # served within the threshold
         rec: dict = {}
+        saturated()
         _sse(scaled, {**quick, "stream": True}, rec, headers=allow)   # a stream degrades too
         assert rec["outcome"] == "done" and rec["model"] == "tiny-lite", rec
         assert rec["headers"].get("x-served-model") == "tiny-lite"
