@@ -30,7 +30,8 @@ vs delivery, step time by batch size, admission, GC). With it, ``layout+knob=val
 A/Bs decode-process settings in one run, e.g. ``isolate,isolate+cancel=1.0`` (several: joined by
 ``&``, e.g. ``isolate+metrics=0&offcore=llm-responses``): ``si`` (GIL switch
 interval, s), ``cancel`` (the response thread's is_cancelled() period, s), ``nice`` (the step
-thread's nice), ``async`` (hand-overs of at least this many blocks are placed off the step; 8 by
+thread's nice), ``senders`` (the response thread's sender threads for requests opened from then on, 0 = it sends
+inline; backend/serving/response_thread.py), ``async`` (hand-overs of at least this many blocks are placed off the step; 8 by
 default, ``isolate+async=100000``: every KV fetch and write inside the step, as before). (Run P3's
 ``yield`` knob was removed after that run: it hooked the response thread's private methods.) A layout
 without knobs gets the stub's own settings (``DEFAULT_KNOBS``). This client's heap is frozen after start-up (``--client-gc``): its own full
@@ -38,7 +39,8 @@ collections (up to 240 ms) would otherwise be counted as ITL.
 
 Engine options per layout: ``layout~key=value[~key=value]`` (no --trace needed) runs that layout on
 its own server(s) started with those engine options on top of the bench's, e.g.
-``--layouts isolate,isolate~kv_cache_dtype=fp16,unified,unified~kv_cache_dtype=fp16`` (one more
+``--layouts isolate,isolate~kv_cache_dtype=fp16,unified,unified~kv_cache_dtype=fp16`` (``~env.NAME=VALUE``:
+that environment variable for the layout's servers, e.g. ``unified~env.TRITON_LLM_RESPONSE_SENDERS=0``; one more
 pair / unified server per distinct option set, all started up front; knobs go after: ``isolate~kv_cache_dtype=fp16+si=0.001``).
 """
 from __future__ import annotations
@@ -53,6 +55,7 @@ import time
 
 from backend.serving.disagg_serve import LAYOUTS, DisaggServers, pin_tree, sched_tree
 from backend.serving.engine_service import STUB_SWITCH_INTERVAL_S
+from backend.serving.response_thread import default_senders
 from backend.serving.tritonserver import TritonServer
 from client.disagg_client import DisaggLLMClient
 from client.triton_client import TritonLLMClient
@@ -142,9 +145,9 @@ async def run_phase(client, a, seed: int, tag: str = "") -> dict:
 
 # what a layout without +knobs gets: the engine stub's switch interval, the roles' own cancel-check period
 DEFAULT_KNOBS = {"switch_interval": STUB_SWITCH_INTERVAL_S, "cancel_check_interval": 1.0, "admit_async_min_blocks": 8,
-                 "metrics_ipc": 1, "offcore": "none"}
+                 "metrics_ipc": 1, "offcore": "none", "response_senders": default_senders()}
 KNOB_ALIASES = {"si": "switch_interval", "nice": "step_nice", "cancel": "cancel_check_interval",
-                "async": "admit_async_min_blocks", "metrics": "metrics_ipc"}
+                "async": "admit_async_min_blocks", "metrics": "metrics_ipc", "senders": "response_senders"}
 
 
 async def warm_up(client) -> None:
@@ -251,20 +254,39 @@ def main() -> None:
 
     unifieds: dict[tuple, TritonServer] = {}
     pairs: dict[tuple, DisaggServers] = {}
+    envs: dict[int, dict] = {}                       # id(server) -> its env.NAME=VALUE options
+
+    def engine_only(extra: tuple) -> dict:
+        return {k: v for k, v in extra if not k.startswith("env.")}
+
     for layout in layouts:
         base, extra = eng_opts(layout)
         if base == "unified" and extra not in unifieds:
-            unifieds[extra] = TritonServer(path, engine_options={**opts, "num_threads": "2", **dict(extra)}, quiet=True)
+            unifieds[extra] = TritonServer(path, engine_options={**opts, "num_threads": "2", **engine_only(extra)},
+                                           quiet=True)
         elif base != "unified" and extra not in pairs:
-            pairs[extra] = DisaggServers(path, engine_options={**opts, "num_threads": "1", **dict(extra)}, cpus=cpus,
-                                         quiet=True)
+            pairs[extra] = DisaggServers(path, engine_options={**opts, "num_threads": "1", **engine_only(extra)},
+                                         cpus=cpus, quiet=True)
+        server = unifieds[extra] if base == "unified" else pairs[extra]
+        envs[id(server)] = {k[len("env."):]: v for k, v in extra if k.startswith("env.")}
+
+    def start(server) -> None:
+        """Start ``server`` with its env.NAME=VALUE options in its (tritonserver's, stubs') environment."""
+        saved = {k: os.environ.get(k) for k in envs[id(server)]}
+        os.environ.update(envs[id(server)])
+        try:
+            server.start()
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
     try:
         for unified in unifieds.values():
-            unified.start()
+            start(unified)
             pin_tree(unified.proc.pid, cpus[0] | cpus[1])
             asyncio.run(warm_up(TritonLLMClient(unified.grpc_url)))
         for pair in pairs.values():
-            pair.start()
+            start(pair)
             # one request through each before measuring: first-call costs, and the decode engine names
             # its threads at its first step (bench thread CPU by name)
             asyncio.run(warm_up(DisaggLLMClient(pair.prefill.grpc_url, pair.decode.grpc_url)))

@@ -136,6 +136,11 @@ def apply_knobs(knobs: dict) -> None:
             rt = getattr(getattr(t, "_target", None), "__self__", None)
             if t.name == "llm-responses" and hasattr(rt, "cancel_check_interval"):
                 rt.cancel_check_interval = float(knobs["cancel_check_interval"])   # requests opened from now on
+    if "response_senders" in knobs:             # A/B: sender threads of the response thread (new requests)
+        for t in threading.enumerate():
+            rt = getattr(getattr(t, "_target", None), "__self__", None)
+            if t.name == "llm-responses" and hasattr(rt, "senders"):
+                rt.senders = max(0, int(knobs["response_senders"]))
     if "metrics_ipc" in knobs:                  # A/B only: 0 = no metric IPC from this stub (see _mute_metrics)
         _mute_metrics(not int(knobs["metrics_ipc"]))
     if "offcore" in knobs:                      # A/B only: these threads (OS names, '/') off the engine's cpus

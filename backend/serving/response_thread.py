@@ -17,6 +17,18 @@ explicit abort), and by the sweep (every ``sweep_interval``, or the request's ow
 it sends nothing. A cancel seen is aborted in the engine at once, so the
 request's blocks are free before the engine's next step.
 
+Senders: a ``send()`` is a blocking IPC round trip to tritonserver (~0.7 ms of wall time on the
+disaggregated decode server, ~50 us of it CPU, the GIL released while it waits), so one thread
+sending a step's responses one after another spreads them over most of the step. With ``senders``
+> 0 (``TRITON_LLM_RESPONSE_SENDERS``, default ``SENDERS``) this thread builds each response and
+queues it on the request's own sender thread (``llm-send-<i>``; a request keeps one sender for its
+life, the least loaded when its first response goes out), which makes the IPC call: a request's
+responses leave in order, its FINAL after its tokens, and several requests' sends overlap
+(tritonserver handles each response message on its own pool thread). Bookkeeping stays here: a
+request is done when its FINAL is queued; a failed send comes back as ``SendFailed`` and stops the
+request as before. Before the thread is started (tests that drive ``step()``), after close, and
+with ``senders=0`` every send is made inline, as before.
+
 Text: with a ``detokenizer`` (backend/serving/postprocess.py ``Postprocessor``) the thread also
 turns each delta into its text delta (and OpenAI-shaped logprobs) when the caller requested
 ``text_output``/``text_logprobs``, as the ``llm`` ensemble does: the ensemble then returns the
@@ -37,9 +49,11 @@ request's tokens (dropped, as before).
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from backend import protocol as P
@@ -62,6 +76,67 @@ ENSEMBLE_CANCEL_CHECK = 1.0     # s; steps of the llm ensemble (Triton does not 
 BUSY_STREAMS = 16               # open requests from which busy_stream_interval gathers tokens
 BUSY_SCALE_MAX = 2.0            # the busy hold grows with the open streams up to this factor
 DUE_SLACK = 0.001               # s; held deltas due this soon go with the ones due now (one wake-up)
+SENDERS = 0                     # sender threads (0: this thread sends inline); TRITON_LLM_RESPONSE_SENDERS
+SENDER_JOIN_S = 5.0             # s; at close, how long to wait for each sender to send what it has
+
+
+def default_senders() -> int:
+    try:
+        return max(0, int(os.environ.get("TRITON_LLM_RESPONSE_SENDERS", SENDERS)))
+    except ValueError:
+        return SENDERS
+
+
+@dataclass(slots=True)
+class SendFailed:
+    """A sender thread's send for ``handle`` raised (the stream is gone): stop the request."""
+    handle: RequestHandle
+    final: bool
+
+
+def _send_one(h: RequestHandle, outputs: dict | None, error: EngineError | None, final: bool) -> None:
+    if ttft_trace.ENABLED:
+        ttft_trace.mark(h.rid, "rt.send0")
+    h.responder.send(outputs, error=error, final=final)
+    if ttft_trace.ENABLED:
+        ttft_trace.mark(h.rid, "rt.sent0")
+
+
+class _Sender:
+    """One sender thread: makes the queued sends of the requests assigned to it, in order."""
+
+    def __init__(self, name: str, failed: Callable[[RequestHandle, bool], None]) -> None:
+        self.q: queue.SimpleQueue = queue.SimpleQueue()
+        self.load = 0                       # open requests assigned (response thread only)
+        self._failed = failed
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        _name_os_thread()
+        while True:
+            item = self.q.get()
+            if item is None:
+                return
+            h, outputs, error, final = item
+            try:
+                _send_one(h, outputs, error, final)
+            except Exception as exc:        # noqa: BLE001 - the stream is gone
+                log.debug("send for %s failed: %s", h.rid, exc)
+                self._failed(h, final)
+
+    def close(self, timeout: float) -> None:
+        self.q.put(None)
+        self.thread.join(timeout)
+
+
+def _name_os_thread() -> None:
+    """The thread's name at the OS level too (top -H, bench_stack's per-thread CPU, layouts)."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/comm", "w") as f:
+            f.write(threading.current_thread().name[:15])
+    except OSError:
+        pass
 
 
 class ResponseThread:
@@ -71,7 +146,7 @@ class ResponseThread:
                  cancel_check_interval: float = CANCEL_CHECK_INTERVAL,
                  ensemble_cancel_interval: float = ENSEMBLE_CANCEL_CHECK,
                  clock: Callable[[], float] = time.monotonic, q: queue.Queue | None = None,
-                 detokenizer: Any = None) -> None:
+                 detokenizer: Any = None, senders: int | None = None) -> None:
         self.loop = loop
         self.detokenizer = detokenizer
         self.tombstones = tombstones
@@ -90,10 +165,17 @@ class ResponseThread:
         self._closed = False
         self._open: dict[RequestHandle, None] = {}      # an ordered set; response thread only
         self._next_sweep = clock() + sweep_interval
+        # sender threads: how many new requests are spread over (may change while serving: a
+        # request keeps the sender it got), the threads, and each open request's sender
+        self.senders = default_senders() if senders is None else max(0, senders)
+        self._senders: list[_Sender] = []
+        self._sender_of: dict[RequestHandle, _Sender] = {}
+        self._use_senders = False           # started and not closed: sends go to the senders
         self._thread = threading.Thread(target=self.run, name="llm-responses", daemon=True)
 
     # -- any thread ------------------------------------------------------------------------
     def start(self) -> None:
+        self._use_senders = True
         self._thread.start()
 
     def is_alive(self) -> bool:
@@ -228,6 +310,10 @@ class ResponseThread:
             self._finish(msg.handle, error=msg.error)
         elif isinstance(msg, ControlAnswered):
             self._on_control(msg)
+        elif isinstance(msg, SendFailed):
+            h = msg.handle
+            if not h.done and not h.cancelled:
+                self._cancel(h, self._clock())
         else:
             raise TypeError(f"not a response-queue message: {msg!r}")
 
@@ -283,12 +369,8 @@ class ResponseThread:
                 self._finish(h, error=internal("detokenizing the response failed"), abort_rest=not last)
                 return
         ttft = self.latency.delta(h, d, now)
-        if ttft_trace.ENABLED:
-            ttft_trace.mark(h.rid, "rt.send0")
         try:
-            h.responder.send(engine_outputs(d, ttft=ttft, text=text, want=h.want), final=last)
-            if ttft_trace.ENABLED:
-                ttft_trace.mark(h.rid, "rt.sent0")
+            self._deliver(h, engine_outputs(d, ttft=ttft, text=text, want=h.want), None, last)
         except Exception as exc:            # noqa: BLE001 - the stream is gone: stop generating
             log.debug("send for %s failed: %s", h.rid, exc)
             if last:
@@ -358,7 +440,7 @@ class ResponseThread:
         if abort_rest and getattr(self.loop, "healthy", True):
             self.loop.abort(h.rid)          # its other choices must stop too
         try:
-            h.responder.send(None, error=error, final=True)
+            self._deliver(h, None, error, True)
         except Exception as exc:            # noqa: BLE001
             log.debug("final for %s not delivered: %s", h.rid, exc)
         self._done(h)
@@ -367,7 +449,38 @@ class ResponseThread:
         h.done = True
         self._drop_held(h)
         self._open.pop(h, None)
+        s = self._sender_of.pop(h, None)
+        if s is not None:
+            s.load -= 1
         self.tombstones.finished(h.rid)
+
+    # -- sends -----------------------------------------------------------------------------
+    def _deliver(self, h: RequestHandle, outputs: dict | None, error: EngineError | None, final: bool) -> None:
+        """Send one response of ``h``: queued on its sender thread, or inline (raises if that fails)."""
+        s = self._sender_of.get(h)
+        if s is None and self._use_senders and self.senders > 0:
+            while len(self._senders) < self.senders:
+                self._senders.append(_Sender(f"llm-send-{len(self._senders)}", self._send_failed))
+            s = min(self._senders[:self.senders], key=lambda x: x.load)
+            s.load += 1
+            self._sender_of[h] = s
+        if s is None:
+            _send_one(h, outputs, error, final)
+        else:
+            s.q.put((h, outputs, error, final))
+
+    def _send_failed(self, h: RequestHandle, final: bool) -> None:
+        """Sender thread: hand the failure to this thread (the queue directly: never the lock,
+        which ``_close`` holds while it waits for the senders)."""
+        self._q.put(SendFailed(h, final))
+
+    def _close_senders(self) -> None:
+        """Let every sender send what it has, then send inline from now on."""
+        self._use_senders = False
+        for s in self._senders:
+            s.close(SENDER_JOIN_S)
+        self._senders.clear()
+        self._sender_of.clear()
 
     def _close(self) -> None:
         """STOP: apply what is still queued, end every open request, answer later posts inline."""
@@ -385,6 +498,7 @@ class ResponseThread:
                         log.exception("response thread failed while closing")
             self._close_open()
             self.latency.flush()
+            self._close_senders()
 
     def _close_open(self) -> None:
         for h in list(self._open):
