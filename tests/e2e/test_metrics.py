@@ -7,7 +7,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from backend.serving.metrics import FINISH_REASONS, FINISHED, GAUGES, HISTOGRAMS, REJECT_KINDS, REJECTED, STAT_COUNTERS
-from tests.e2e.helpers import generate, metric, scrape, wait_metric
+from tests.e2e.helpers import generate, metric, scrape
+from tests.e2e.settle import settled
 
 pytestmark = pytest.mark.e2e
 
@@ -27,7 +28,9 @@ def test_every_metric_is_exported(triton_server):
 
 def test_metric_values_match_the_requests(triton_server):
     tok = AutoTokenizer.from_pretrained(str(triton_server.model_dir))
-    before, _ = wait_metric(triton_server, lambda s: metric(s, "llm_num_requests_running") == 0, timeout=10)
+    # settled: the previous tests' counters are all written (they lag the gauges: metrics.py)
+    before = settled(lambda: scrape(triton_server), ready=lambda s: metric(s, "llm_num_requests_running") == 0
+                     and metric(s, "llm_num_requests_waiting") == 0)
     # Short unique prompts (< one KV block): no prefix-cache hits, exact token counts.
     prompts = [f"m {uuid.uuid4().hex[:6]}" for _ in range(3)]
     lens = [len(tok.encode(p)) for p in prompts]
@@ -41,11 +44,12 @@ def test_metric_values_match_the_requests(triton_server):
     def d(snap, name, **labels):
         return metric(snap, name, **labels) - metric(before, name, **labels)
 
-    after, _ = wait_metric(triton_server, lambda s: d(s, FINISHED, reason="length") >= 3, timeout=2)
-    after, _ = wait_metric(triton_server, lambda s: d(s, "llm_generation_tokens_total") >= 13, timeout=2)
-    # the ITL histogram is counted in the stub and written at the 0.1 s poll (metrics.py)
-    after, _ = wait_metric(triton_server, lambda s: d(s, "llm_inter_token_latency_seconds_count")
-                           >= sum(r.responses - 1 for r in streams), timeout=2)
+    # every series written (the token counters and histograms at the stats poll, after the
+    # gauges), and nothing more coming: then the deltas are exact
+    after = settled(lambda: scrape(triton_server), ready=lambda s: d(s, FINISHED, reason="length") >= 3
+                    and d(s, "llm_generation_tokens_total") >= 13
+                    and d(s, "llm_e2e_request_latency_seconds_count") >= 3
+                    and d(s, "llm_inter_token_latency_seconds_count") >= sum(r.responses - 1 for r in streams))
     assert d(after, FINISHED, reason="length") == 3
     assert d(after, "llm_prompt_tokens_total") == sum(lens)
     assert d(after, "llm_generation_tokens_total") == 5 + 5 + 3
