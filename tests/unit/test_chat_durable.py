@@ -8,6 +8,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -88,25 +89,37 @@ def test_size_caps(app):
 
 
 def test_store_work_runs_off_the_event_loop(app):
-    """A slow SQLite call must not stall the loop: /health answers while it runs."""
+    """A slow SQLite call must not stall the loop: /health answers while it runs.
+
+    Deterministic (no durations compared): the store call blocks until the test releases it after
+    /health answered. Run on the event loop, it would block the loop, /health could answer only
+    after the call gave up waiting (30 s) and returned, and ``inside`` would be False by then."""
     store = app.state.chat_store
     real = store.list_conversations
+    entered, release = threading.Event(), threading.Event()
+    inside = []
 
     def slow(tenant):
-        time.sleep(1.0)
-        return real(tenant)
+        inside.append(True)
+        entered.set()
+        try:
+            release.wait(timeout=30)
+            return real(tenant)
+        finally:
+            inside.clear()
 
     store.list_conversations = slow
 
     async def go(c):
         listing = asyncio.create_task(c.get("/api/conversations", headers=H))
-        await asyncio.sleep(0.1)
-        start = time.monotonic()
-        assert (await c.get("/health")).status_code == 200
-        health_took = time.monotonic() - start
+        while not entered.is_set() and not listing.done():      # the store call has started
+            await asyncio.sleep(0.01)
+        health = await c.get("/health")
+        answered_while_inside = bool(inside)
+        release.set()
         assert (await listing).status_code == 200
-        return health_took
-    assert run(app, go) < 0.5
+        return health.status_code, answered_while_inside
+    assert run(app, go) == (200, True)
 
 
 def test_cli_default_is_a_file_under_the_serve_workdir():

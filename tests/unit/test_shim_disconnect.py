@@ -1,6 +1,10 @@
-"""A client that goes away aborts its generation, streaming or not (fake TritonLLMClient)."""
+"""A client that goes away aborts its generation, streaming or not (fake TritonLLMClient).
+
+No wall-clock bounds (a loaded CI host is 5-10x slower): an abort that came late or never shows as
+the generation finishing (the fake's full answer takes ~4 s), which ``fake.finished`` records."""
 from __future__ import annotations
 
+import socket
 import time
 
 import httpx
@@ -23,7 +27,7 @@ def server(fake):
         yield srv
 
 
-def wait_for(pred, timeout=3.0):
+def wait_for(pred, timeout=60.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if pred():
@@ -40,20 +44,23 @@ def test_stream_closed_mid_way_aborts(server, fake):
             lines = r.iter_lines()
             got = [next(lines) for _ in range(6)]
             assert any('"content"' in g for g in got)
-        t0 = time.monotonic()                   # leaving the block closes the connection
-    assert wait_for(lambda: rid in fake.aborted), "generation was not aborted"
-    assert time.monotonic() - t0 < 1.0
-    assert rid not in fake.finished
+    # leaving the block closed the connection
+    assert wait_for(lambda: rid in fake.aborted or rid in fake.finished), "generation neither aborted nor ended"
+    assert rid in fake.aborted and rid not in fake.finished      # stopped mid-way, not run to the end
 
 
 def test_non_streaming_abandoned_aborts(server, fake):
     before = len(fake.calls)
-    body = {"model": "tiny", "prompt": "x", "max_tokens": 80}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", json=body, timeout=0.5)
-    t0 = time.monotonic()
-    assert wait_for(lambda: len(fake.calls) > before and fake.calls[before]["request_id"] in fake.aborted)
-    assert time.monotonic() - t0 < 1.0
+    body = b'{"model": "tiny", "prompt": "x", "max_tokens": 80}'
+    # A raw connection, closed once the generation started (a fixed client timeout could close it
+    # before the shim called the client at all on a slow host)
+    with socket.create_connection((server.host, server.port), timeout=60) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        assert wait_for(lambda: len(fake.calls) > before), "the generation did not start"
+    rid = fake.calls[before]["request_id"]
+    assert wait_for(lambda: rid in fake.aborted or rid in fake.finished), "generation neither aborted nor ended"
+    assert rid in fake.aborted and rid not in fake.finished
     assert fake.calls[before]["stream"] is False
 
 

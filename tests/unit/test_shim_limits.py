@@ -69,9 +69,9 @@ def test_body_over_the_limit_is_413_before_auth(url, fake):
 def test_out_of_range_is_a_quick_400_naming_the_field(url, fake, field, value):
     calls = len(fake.calls)
     body = {"model": "tiny", "prompt": "hello", "max_tokens": 2, field: value}
-    start = time.monotonic()
-    e = error(httpx.post(url + "/v1/completions", json=body, headers=H), 400)
-    assert time.monotonic() - start < 2
+    # no wall-clock bound (a loaded CI host is 5-10x slower); a shim that hangs on the value (issue
+    # 19: n = 1e9 built a 23 GB choice array) times out instead of answering
+    e = error(httpx.post(url + "/v1/completions", json=body, headers=H, timeout=30), 400)
     assert e["param"].split(".")[0] == field and e["type"] == "invalid_request_error", e
     assert len(fake.calls) == calls               # nothing was generated, no choices were made
 
@@ -161,10 +161,12 @@ def test_a_trickling_body_is_408(fake):
     settings = ShimSettings(model_name="tiny", api_keys={KEY: "acme"}, body_timeout_s=1.0)
     with BackgroundServer(create_app(settings, client=fake)) as srv:
         with socket.create_connection((srv.host, srv.port)) as s:
+            start = time.monotonic()                    # before the server can start its timer
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
                       b"Content-Length: 1000\r\n\r\n{\"model\": ")
-            s.settimeout(10)
-            start = time.monotonic()
+            s.settimeout(60)                            # generous: a loaded CI host is slow
             answer = s.recv(65536)
             assert answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer
-            assert 0.5 < time.monotonic() - start < 5
+            # not before the body timeout (a lower bound cannot flake on a slow host); a server that
+            # never times the body out leaves recv to time out and fails the test
+            assert time.monotonic() - start > 0.5
