@@ -175,5 +175,7 @@ def decode_library():
         lib.decode_scratch_floats.restype = _I
         lib.linear_f32.argtypes = [_P, _I, _I, _P, _P, _I, _P, ctypes.c_int, ctypes.c_int]
         lib.linear_f32.restype = None
+        lib.step_pool_set.argtypes = [ctypes.c_int]
+        lib.step_pool_set.restype = None
         return lib
     return None

@@ -104,8 +104,190 @@ static inline v8 ld(const float *p) { v8 x; memcpy(&x, p, sizeof x); return x; }
 #else
 #define IN_REG(v) ((void)0)
 #endif
+/* a + w x, always one fused multiply-add: the compiler contracts a * b + c in some inlined tile
+ * variants and not in others, which made a row's value depend on which tile (and so on which
+ * thread's row range) computed it. Explicit FMAs make every variant compute the same bits. */
+#if defined(__AVX2__) && defined(__FMA__)
+#define FMA8(a, w, x) ((v8)_mm256_fmadd_ps((__m256)(w), (__m256)(x), (__m256)(a)))
+#define FMA1(a, w, x) fmaf((w), (x), (a))
+#else
+#define FMA8(a, w, x) ((a) + (w) * (x))
+#define FMA1(a, w, x) ((a) + (w) * (x))
+#endif
+
 static inline float hsum(v8 a) {
     return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
+}
+
+/* ---- Parallel loops: the step's own worker pool (issue 15, sixth round) ----
+ *
+ * Every parallel loop of the step is split into chunks that the calling thread and the pool's
+ * worker(s) claim one at a time from one atomic counter; the caller takes whatever is left and
+ * waits only for chunks a worker has already claimed, never for a worker that has not started.
+ * Through the serving stack the other core is often busy (tritonserver, the shim, the response
+ * thread wake in bursts as a step's responses go out): an OpenMP region then ends in a barrier
+ * that waits for the descheduled worker to get a core, run its static half, and arrive; here the
+ * caller runs the chunks itself meanwhile and the worker, once it runs, takes what is still left.
+ * Each output element is computed by one chunk with the same instructions whatever thread runs it
+ * (rows of a linear, rows of the norms / RoPE / SiLU, attention rows), so results do not depend
+ * on the thread count or on who ran which chunk.
+ *
+ * A worker spins briefly (POOL_SPIN pauses) for the next loop, then sleeps on a futex; the caller
+ * wakes sleepers when it publishes a loop (and does not wait for them to wake up). One caller at
+ * a time: a second thread calling in while the pool is busy runs its loop alone.
+ * TRITON_LLM_STEP_POOL=0 selects OpenMP regions instead (the A/B); the pool's workers are started
+ * on first use, one fewer than the thread count asked for (at most POOL_MAX). */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <limits.h>
+#include <sched.h>
+
+typedef void (*chunk_fn)(void *ctx, int64_t c);
+
+#define POOL_MAX 63
+#define POOL_SPIN 4000              /* pause iterations (~0.1 ms) before a worker sleeps */
+
+static struct {
+    pthread_mutex_t start_lock;     /* starting workers */
+    pthread_mutex_t busy;           /* one caller at a time */
+    int workers;                    /* started */
+    _Atomic uint64_t state;         /* loop generation << 32 | next unclaimed chunk */
+    _Atomic uint32_t seq;           /* futex word: bumped per published loop */
+    _Atomic int sleepers;
+    _Atomic int64_t done;           /* chunks of the current loop finished */
+    _Atomic(chunk_fn) fn;
+    _Atomic(void *) ctx;
+    _Atomic int64_t n;
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER};
+
+static inline void cpu_pause(void) {
+#if defined(__x86_64__)
+    __builtin_ia32_pause();
+#endif
+}
+
+static void *pool_worker(void *arg) {
+    (void)arg;
+    uint64_t seen = atomic_load(&pool.state) >> 32;
+    for (;;) {
+        uint32_t sq = atomic_load(&pool.seq);
+        uint64_t s = atomic_load(&pool.state);
+        if ((s >> 32) == seen) {
+            int spun = 0;
+            while (atomic_load_explicit(&pool.seq, memory_order_acquire) == sq && spun < POOL_SPIN) {
+                cpu_pause();
+                spun++;
+            }
+            if (atomic_load(&pool.seq) == sq) {
+                atomic_fetch_add(&pool.sleepers, 1);
+                if (atomic_load(&pool.seq) == sq)
+                    syscall(SYS_futex, &pool.seq, FUTEX_WAIT_PRIVATE, sq, NULL, NULL, 0);
+                atomic_fetch_sub(&pool.sleepers, 1);
+            }
+            continue;
+        }
+        seen = s >> 32;
+        for (;;) {          /* claim chunks of loop `seen` until none is left or the loop is over */
+            s = atomic_load(&pool.state);
+            if ((s >> 32) != seen) break;
+            /* Read before the claim: a successful claim of (seen, idx) proves the loop was still
+             * current, so these were its fields (the caller publishes the next loop's only after
+             * every chunk of this one finished). */
+            const int64_t n = atomic_load(&pool.n);
+            chunk_fn fn = atomic_load(&pool.fn);
+            void *ctx = atomic_load(&pool.ctx);
+            if ((int64_t)(s & 0xffffffffu) >= n) break;
+            if (!atomic_compare_exchange_weak(&pool.state, &s, s + 1)) continue;
+            fn(ctx, (int64_t)(s & 0xffffffffu));
+            atomic_fetch_add_explicit(&pool.done, 1, memory_order_release);
+        }
+    }
+    return NULL;
+}
+
+static int pool_on = -1;             /* -1: read TRITON_LLM_STEP_POOL on first use */
+
+/* 1: the pool runs the parallel loops, 0: OpenMP regions (tests and A/B tools; the default
+ * comes from TRITON_LLM_STEP_POOL). Not while a step runs. */
+void step_pool_set(int on) { pool_on = on != 0; }
+
+static int pool_enabled(void) {
+    int on = pool_on;
+    if (on < 0) {
+        const char *e = getenv("TRITON_LLM_STEP_POOL");
+        on = !(e && (e[0] == '0' || e[0] == 'n' || e[0] == 'N' || e[0] == 'f' || e[0] == 'F' ||
+                     ((e[0] == 'o' || e[0] == 'O') && (e[1] == 'f' || e[1] == 'F'))));
+        pool_on = on;
+    }
+    return on;
+}
+
+/* Start workers up to `want`; returns how many run (0 when none could start). */
+static int pool_start(int want) {
+    if (want > POOL_MAX) want = POOL_MAX;
+    if (pool.workers >= want) return pool.workers;      /* only grows; a stale read just locks */
+    pthread_mutex_lock(&pool.start_lock);
+    while (pool.workers < want) {
+        pthread_t t;
+        pthread_attr_t a;
+        pthread_attr_init(&a);
+        pthread_attr_setdetachstate(&a, PTHREAD_CREATE_DETACHED);
+        const int rc = pthread_create(&t, &a, pool_worker, NULL);
+        pthread_attr_destroy(&a);
+        if (rc != 0) break;
+        pool.workers++;
+    }
+    pthread_mutex_unlock(&pool.start_lock);
+    return pool.workers;
+}
+
+/* fn(ctx, c) for c in [0, n) on up to nt threads (this one included). */
+static void pool_run(int nt, int64_t n, chunk_fn fn, void *ctx) {
+    if (nt <= 1 || n <= 1 || pool_start(nt - 1) == 0 || pthread_mutex_trylock(&pool.busy) != 0) {
+        for (int64_t c = 0; c < n; c++) fn(ctx, c);
+        return;
+    }
+    atomic_store(&pool.fn, fn);
+    atomic_store(&pool.ctx, ctx);
+    atomic_store(&pool.n, n);
+    atomic_store(&pool.done, 0);
+    const uint64_t gen = (atomic_load(&pool.state) >> 32) + 1;
+    atomic_store(&pool.state, (gen & 0xffffffffu) << 32);
+    atomic_fetch_add(&pool.seq, 1);
+    if (atomic_load(&pool.sleepers) > 0)
+        syscall(SYS_futex, &pool.seq, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+    int64_t mine = 0;
+    for (;;) {
+        const int64_t c = (int64_t)(atomic_fetch_add(&pool.state, 1) & 0xffffffffu);
+        if (c >= n) break;
+        fn(ctx, c);
+        mine++;
+    }
+    atomic_fetch_add(&pool.done, mine);
+    /* Only chunks a worker claimed and is running are left: wait for them. */
+    for (int spun = 0; atomic_load_explicit(&pool.done, memory_order_acquire) < n; spun++) {
+        if (spun < POOL_SPIN) cpu_pause(); else sched_yield();
+    }
+    pthread_mutex_unlock(&pool.busy);
+}
+
+/* A parallel loop of n chunks: the pool, or (TRITON_LLM_STEP_POOL=0) an OpenMP region, static or
+ * dynamic schedule, as before the pool. */
+static void par_for(int nt, int64_t n, chunk_fn fn, void *ctx, int dynamic) {
+    if (nt <= 1 || n <= 1) {
+        for (int64_t c = 0; c < n; c++) fn(ctx, c);
+    } else if (pool_enabled()) {
+        pool_run(nt, n, fn, ctx);
+    } else if (dynamic) {
+#pragma omp parallel for schedule(dynamic) num_threads(nt)
+        for (int64_t c = 0; c < n; c++) fn(ctx, c);
+    } else {
+#pragma omp parallel for schedule(static) num_threads(nt)
+        for (int64_t c = 0; c < n; c++) fn(ctx, c);
+    }
 }
 
 /* y[t, r g] (+)= x[t] . w[r g] + bias[r g] for R rows g rows apart, T tokens; pf: the R rows to
@@ -126,13 +308,13 @@ static void tile_##R##_##T(const float *x, int64_t K, const float *w, int64_t g,
         for (int t = 0; t < T; t++) {                                                              \
             v8 xv = ld(x + t * K + k);                                                             \
             IN_REG(xv);                                                                            \
-            for (int r = 0; r < R; r++) a[r][t] += wv[r] * xv;                                     \
+            for (int r = 0; r < R; r++) a[r][t] = FMA8(a[r][t], wv[r], xv);                         \
         }                                                                                          \
     }                                                                                              \
     for (int r = 0; r < R; r++)                                                                    \
         for (int t = 0; t < T; t++) {                                                              \
             float s = hsum(a[r][t]);                                                               \
-            for (int64_t i = k; i < K; i++) s += w[r * rs + i] * x[t * K + i];                     \
+            for (int64_t i = k; i < K; i++) s = FMA1(s, w[r * rs + i], x[t * K + i]);              \
             if (bias) s += bias[r * g];                                                            \
             float *o = y + t * ldy + r * g;                                                        \
             *o = acc ? *o + s : s;                                                                 \
@@ -149,11 +331,11 @@ static void gemv_##R(const float *x, int64_t K, const float *w, int64_t g, const
     int64_t k = 0;                                                                                 \
     for (; k + 8 <= K; k += 8) {                                                                   \
         const v8 xv = ld(x + k);                                                                   \
-        for (int r = 0; r < R; r++) a[r] += ld(w + r * rs + k) * xv;                               \
+        for (int r = 0; r < R; r++) a[r] = FMA8(a[r], ld(w + r * rs + k), xv);                     \
     }                                                                                              \
     for (int r = 0; r < R; r++) {                                                                  \
         float s = hsum(a[r]);                                                                      \
-        for (int64_t i = k; i < K; i++) s += w[r * rs + i] * x[i];                                 \
+        for (int64_t i = k; i < K; i++) s = FMA1(s, w[r * rs + i], x[i]);                          \
         if (bias) s += bias[r * g];                                                                \
         y[r * g] = acc ? y[r * g] + s : s;                                                         \
     }                                                                                              \
@@ -203,13 +385,24 @@ static void linear_rows(const float *x, int64_t M, int64_t K, const float *W, co
             const float *xt = x + t0 * K;
             float *yt = y + t0 * N + n;
             switch (M - t0 >= 4 ? 4 : M - t0) {
-            case 1: gemv_1(xt, K, w, 1, b, yt, acc); break;
+            case 1: if (M == 1) gemv_1(xt, K, w, 1, b, yt, acc); else tile_1_1(xt, K, w, 1, b, yt, N, acc, NULL); break;
             case 2: tile_1_2(xt, K, w, 1, b, yt, N, acc, NULL); break;
             case 3: tile_1_3(xt, K, w, 1, b, yt, N, acc, NULL); break;
             default: tile_1_4(xt, K, w, 1, b, yt, N, acc, NULL);
             }
         }
     }
+}
+
+#define LINEAR_CHUNKS 4
+
+typedef struct {
+    const float *x; int64_t M, K; const float *W, *bias; int64_t N; float *y; int acc; int64_t C;
+} LinearJob;
+
+static void linear_chunk(void *p, int64_t c) {
+    const LinearJob *j = p;
+    linear_rows(j->x, j->M, j->K, j->W, j->bias, j->N, j->y, j->acc, j->N * c / j->C, j->N * (c + 1) / j->C);
 }
 
 /* y [M, N] (+)= x [M, K] W^T + bias;  x, y contiguous; acc: add into y (the residual). */
@@ -225,10 +418,16 @@ static void linear(const Model *m, const float *x, int64_t M, int64_t K, const f
                 for (int64_t n = 0; n < N; n++) y[t * N + n] += bias[n];
         return;
     }
-    const int T = nt > 1 && M * N * K >= PAR_MIN_MACS ? nt : 1;   /* one contiguous row range each */
-#pragma omp parallel for schedule(static) num_threads(T) if (T > 1)
-    for (int t = 0; t < T; t++)
-        linear_rows(x, M, K, W, bias, N, y, acc, N * t / T, N * (t + 1) / T);
+    const int T = nt > 1 && M * N * K >= PAR_MIN_MACS ? nt : 1;
+    /* OpenMP: one contiguous row range per thread; the pool: LINEAR_CHUNKS ranges per thread (a
+     * late worker leaves the caller at most one chunk's imbalance), at least 16 rows each. */
+    int64_t C = T;
+    if (T > 1 && pool_enabled()) {
+        C = (int64_t)T * LINEAR_CHUNKS;
+        if (C > N / 16) C = N / 16 > T ? N / 16 : T;
+    }
+    LinearJob j = {x, M, K, W, bias, N, y, acc, C};
+    par_for(T, C, linear_chunk, &j, 0);
 }
 
 /* The fp32 linear alone (own kernels, no sgemm), for tests and tools: y [M, N] (+)= x W^T + bias. */
@@ -281,6 +480,7 @@ int64_t decode_scratch_floats(const Model *m, int64_t M) {
 
 /* Rows per thread below which the per-row loops (norms, RoPE, SiLU) stay serial. */
 #define PAR_MIN_ELEMS (1 << 16)
+#define ROW_CHUNKS 4           /* the pool's chunks per thread of a row loop */
 
 
 /* a[j] = silu(g[j]) * u[j] = g / (1 + exp(-g)) * u, as torch's F.silu(gate) * up (one rounding
@@ -299,6 +499,74 @@ static void silu_mul(const float *g, const float *u, int64_t n, float *a) {
     for (; j < n; j++) a[j] = g[j] / (1.f + expf(-g[j])) * u[j];
 }
 
+/* The step's per-row loops as chunks of rows (par_for): rows [M c / C, M (c + 1) / C). */
+typedef struct {
+    const Model *m; int64_t M, C, l;
+    const int64_t *pos, *slots, *rows; const int32_t *seq, *ctx, *tables; int64_t table_stride;
+    float *h, *xn, *qkv, *qb, *att, *gu, *act;
+    const float *ln;
+    _Atomic int rc;
+} RowJob;
+
+#define ROWS_OF(j, c, i0, i1) const int64_t i0 = (j)->M * (c) / (j)->C, i1 = (j)->M * ((c) + 1) / (j)->C
+
+static void norm_chunk(void *p, int64_t c) {
+    RowJob *j = p;
+    const int64_t H = j->m->hidden;
+    ROWS_OF(j, c, i0, i1);
+    for (int64_t i = i0; i < i1; i++) rmsnorm(j->h + i * H, j->ln, H, j->m->eps, j->xn + i * H);
+}
+
+static void rope_store_chunk(void *p, int64_t c) {
+    RowJob *j = p;
+    const Model *m = j->m;
+    const int64_t l = j->l, D = m->head_dim, hq = m->num_heads, hkv = m->num_kv_heads, half = D / 2;
+    const int64_t q = hq * D, kv = hkv * D, qkvn = q + 2 * kv;
+    ROWS_OF(j, c, i0, i1);
+    for (int64_t i = i0; i < i1; i++) {
+        const int64_t *pos = j->pos, *slots = j->slots;
+        float *qkv = j->qkv, *qb = j->qb;
+        const float *cs = m->cos + pos[i] * half, *sn = m->sin + pos[i] * half, *r = qkv + i * qkvn;
+        for (int64_t hd = 0; hd < hq; hd++) rope(r + hd * D, cs, sn, half, qb + i * q + hd * D);
+        if (slots[i] < 0) continue;
+        if (m->kv_dtype == KV_F32) {
+            float *kc = (float *)m->k_cache[l] + slots[i] * kv, *vc = (float *)m->v_cache[l] + slots[i] * kv;
+            for (int64_t hd = 0; hd < hkv; hd++) rope(r + q + hd * D, cs, sn, half, kc + hd * D);
+            memcpy(vc, r + q + kv, sizeof(float) * (size_t)kv);
+        } else {                    /* half cache: rotate K in place (in this row of qkv), convert */
+            float *kr = qkv + i * qkvn + q;
+            for (int64_t hd = 0; hd < hkv; hd++) rope(kr + hd * D, cs, sn, half, kr + hd * D);
+            f32_to_half(kr, (uint16_t *)m->k_cache[l] + slots[i] * kv, kv, (int)m->kv_dtype);
+            f32_to_half(kr + kv, (uint16_t *)m->v_cache[l] + slots[i] * kv, kv, (int)m->kv_dtype);
+        }
+    }
+}
+
+static void attend_chunk(void *p, int64_t c) {
+    RowJob *j = p;
+    const Model *m = j->m;
+    const int64_t l = j->l, D = m->head_dim, hq = m->num_heads, hkv = m->num_kv_heads;
+    ROWS_OF(j, c, i0, i1);
+    int rc = 0;
+    for (int64_t i = i0; i < i1; i++) {
+        if (m->kv_dtype == KV_F32)
+            rc |= attend_f32(j->qb, m->k_cache[l], m->v_cache[l], j->tables, j->table_stride, j->rows + i,
+                             j->seq + i, j->ctx + i, 1, hq, hkv, D, m->block_size, m->scale, j->att);
+        else
+            rc |= (m->kv_dtype == KV_F16 ? attend_f16 : attend_bf16)(
+                j->qb, m->k_cache[l], m->v_cache[l], j->tables, j->table_stride, j->rows + i, j->seq + i,
+                j->ctx + i, 1, hq, hkv, D, m->block_size, m->scale, j->att);
+    }
+    if (rc) atomic_fetch_or(&j->rc, rc);
+}
+
+static void silu_chunk(void *p, int64_t c) {
+    RowJob *j = p;
+    const int64_t I = j->m->inter;
+    ROWS_OF(j, c, i0, i1);
+    for (int64_t i = i0; i < i1; i++) silu_mul(j->gu + i * 2 * I, j->gu + i * 2 * I + I, I, j->act + i * I);
+}
+
 /* One model step over a varlen batch (fused prefill chunks + decodes, issue 15).
  *
  * nseqs sequences back to back: sequence s owns rows [cu[s], cu[s+1]) (q_len >= 1 new tokens; a
@@ -315,7 +583,7 @@ int step_forward(const Model *m, int64_t M, int64_t nseqs, const int64_t *ids, c
                  int64_t table_stride, int64_t nlogits, const int64_t *logit_rows, float *scratch,
                  float *logits, int nt) {
     const int64_t H = m->hidden, D = m->head_dim, hq = m->num_heads, hkv = m->num_kv_heads;
-    const int64_t q = hq * D, kv = hkv * D, I = m->inter, half = D / 2, qkvn = q + 2 * kv;
+    const int64_t q = hq * D, kv = hkv * D, I = m->inter, qkvn = q + 2 * kv;
     for (int64_t i = 0; i < M; i++)
         if (pos[i] < 0 || pos[i] >= m->max_pos || ids[i] < 0 || ids[i] >= m->vocab) return -2;
     for (int64_t j = 0; j < nlogits; j++)
@@ -339,46 +607,33 @@ int step_forward(const Model *m, int64_t M, int64_t nseqs, const int64_t *ids, c
     for (int64_t i = 0; i < M; i++) memcpy(h + i * H, m->embed + ids[i] * H, sizeof(float) * (size_t)H);
     const int par_att = nt > 1 && M > 1 && att_macs >= PAR_MIN_MACS;
     const int par_rows = nt > 1 && M > 1 && M * (H + I) >= PAR_MIN_ELEMS;
-    int rc = 0;
+    /* Row loops: OpenMP splits the M rows statically (attention: dynamically, one row at a time);
+     * the pool takes ROW_CHUNKS chunks per thread (attention: one row per chunk). */
+    const int pool = pool_enabled();
+    const int64_t row_c = pool ? (M < ROW_CHUNKS * nt ? M : ROW_CHUNKS * nt) : M;
+    const int nr = par_rows ? nt : 1, na = par_att ? nt : 1;
+    RowJob rj = {.m = m, .M = M, .C = row_c, .pos = pos, .slots = slots, .rows = rows, .seq = seq, .ctx = ctx,
+                .tables = tables, .table_stride = table_stride, .h = h, .xn = xn, .qkv = qkv, .qb = qb,
+                .att = att, .gu = gu, .act = act};
+    atomic_init(&rj.rc, 0);
+    RowJob ja = rj;                 /* attention: one row per chunk */
+    ja.C = M;
 #define QP(l, p) (m->qw ? m->qw + (l) * P_COUNT + (p) : NULL)
-    for (int64_t l = 0; l < m->num_layers && rc == 0; l++) {
-#pragma omp parallel for schedule(static) num_threads(nt) if (par_rows)
-        for (int64_t i = 0; i < M; i++) rmsnorm(h + i * H, m->ln1[l], H, m->eps, xn + i * H);
+    for (int64_t l = 0; l < m->num_layers && atomic_load(&ja.rc) == 0; l++) {
+        rj.l = ja.l = l;
+        rj.ln = m->ln1[l];
+        par_for(nr, row_c, norm_chunk, &rj, 0);
         linear_q(m, QP(l, P_QKV), xn, M, H, m->qkv_w[l], m->qkv_b[l], qkvn, qkv, 0, NULL, nt);
-#pragma omp parallel for schedule(static) num_threads(nt) if (par_rows)
-        for (int64_t i = 0; i < M; i++) {
-            const float *c = m->cos + pos[i] * half, *s = m->sin + pos[i] * half, *r = qkv + i * qkvn;
-            for (int64_t hd = 0; hd < hq; hd++) rope(r + hd * D, c, s, half, qb + i * q + hd * D);
-            if (slots[i] < 0) continue;
-            if (m->kv_dtype == KV_F32) {
-                float *kc = (float *)m->k_cache[l] + slots[i] * kv, *vc = (float *)m->v_cache[l] + slots[i] * kv;
-                for (int64_t hd = 0; hd < hkv; hd++) rope(r + q + hd * D, c, s, half, kc + hd * D);
-                memcpy(vc, r + q + kv, sizeof(float) * (size_t)kv);
-            } else {                    /* half cache: rotate K in place (in this row of qkv), convert */
-                float *kr = qkv + i * qkvn + q;
-                for (int64_t hd = 0; hd < hkv; hd++) rope(kr + hd * D, c, s, half, kr + hd * D);
-                f32_to_half(kr, (uint16_t *)m->k_cache[l] + slots[i] * kv, kv, (int)m->kv_dtype);
-                f32_to_half(kr + kv, (uint16_t *)m->v_cache[l] + slots[i] * kv, kv, (int)m->kv_dtype);
-            }
-        }
-#pragma omp parallel for schedule(dynamic) num_threads(nt) if (par_att) reduction(| : rc)
-        for (int64_t i = 0; i < M; i++) {
-            if (m->kv_dtype == KV_F32)
-                rc |= attend_f32(qb, m->k_cache[l], m->v_cache[l], tables, table_stride, rows + i,
-                                 seq + i, ctx + i, 1, hq, hkv, D, m->block_size, m->scale, att);
-            else
-                rc |= (m->kv_dtype == KV_F16 ? attend_f16 : attend_bf16)(
-                    qb, m->k_cache[l], m->v_cache[l], tables, table_stride, rows + i, seq + i, ctx + i,
-                    1, hq, hkv, D, m->block_size, m->scale, att);
-        }
+        par_for(nr, row_c, rope_store_chunk, &rj, 0);
+        par_for(na, M, attend_chunk, &ja, 1);
         linear_q(m, QP(l, P_O), att, M, q, m->o_w[l], m->o_b[l], H, h, 1, xn, nt);
-#pragma omp parallel for schedule(static) num_threads(nt) if (par_rows)
-        for (int64_t i = 0; i < M; i++) rmsnorm(h + i * H, m->ln2[l], H, m->eps, xn + i * H);
+        rj.ln = m->ln2[l];
+        par_for(nr, row_c, norm_chunk, &rj, 0);
         linear_q(m, QP(l, P_GU), xn, M, H, m->gu_w[l], m->gu_b[l], 2 * I, gu, 0, NULL, nt);
-#pragma omp parallel for schedule(static) num_threads(nt) if (par_rows)
-        for (int64_t i = 0; i < M; i++) silu_mul(gu + i * 2 * I, gu + i * 2 * I + I, I, act + i * I);
+        par_for(nr, row_c, silu_chunk, &rj, 0);
         linear_q(m, QP(l, P_DOWN), act, M, I, m->down_w[l], m->down_b[l], H, h, 1, xn, nt);
     }
+    const int rc = atomic_load(&ja.rc);
     free(rows);
     free(seq);
     free(ctx);

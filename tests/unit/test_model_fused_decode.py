@@ -424,3 +424,126 @@ def test_huge_page_weights_give_the_same_fused_logits(monkeypatch):
         seqs = prefill(r, [9, 14], seed=5)
         out.append(r.execute(build_batch([SeqChunk([t[-1]], len(t), tab) for t, tab in seqs], BLOCK)))
     assert torch.equal(out[0], out[1])
+
+
+def _step_with(r: ModelRunner, batch, threads: int, pool: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits, KV after) of one fused step from the current pool state, which is restored."""
+    lib = decode_library()
+    before, saved = r.storage.kv.clone(), torch.get_num_threads()
+    lib.step_pool_set(int(pool))
+    torch.set_num_threads(threads)
+    try:
+        logits = r.execute(batch)
+        return logits, r.storage.kv.clone()
+    finally:
+        torch.set_num_threads(saved)
+        lib.step_pool_set(1)
+        r.storage.kv.copy_(before)
+
+
+@pytest.mark.parametrize("shape", ["decode16", "decode40", "varlen"])
+def test_thread_count_and_pool_do_not_change_the_step(runner, shape):
+    """Each output element is computed by one chunk with the same instructions whoever runs it, so
+    one thread, two threads on the step's worker pool and two on OpenMP regions give bit-identical
+    logits and K/V (an engine may pick its thread count per step without changing outputs)."""
+    if shape == "varlen":
+        batch, _ = varlen_batch(runner, [(0, 70, True), (9, 1, True), (4, 2, True), (3, 5, True)], seed=5)
+    else:
+        m = int(shape[len("decode"):])
+        seqs = prefill(runner, [random.Random(i).randrange(5, 23) for i in range(m)], seed=m)
+        batch = build_batch([SeqChunk([t[-1]], len(t), tab) for t, tab in seqs], BLOCK)
+    one, kv_one = _step_with(runner, batch, 1, True)
+    for pool in (True, False):
+        two, kv_two = _step_with(runner, batch, 2, pool)
+        assert torch.equal(two, one), pool
+        assert torch.equal(kv_two, kv_one), pool
+
+
+def test_linear_pool_is_exact_and_serves_concurrent_callers():
+    """The fp32 linear over the pool (4100 x 64 at 17 tokens: above the threading threshold, 4 row
+    chunks per thread) equals the one-thread result bit for bit, also when two threads call it at
+    once (the second caller finds the pool busy and runs its loop alone)."""
+    import threading
+
+    lib = decode_library()
+    if lib is None:
+        pytest.skip("no C compiler: the fused decode step is unavailable")
+    g = torch.Generator().manual_seed(7)
+    n, k, m = 4100, 64, 17
+    w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    xs = [torch.randn(m, k, generator=g) for _ in range(4)]
+
+    def run(x: torch.Tensor, nt: int) -> torch.Tensor:
+        y = torch.empty(m, n)
+        lib.linear_f32(x.data_ptr(), m, k, w.data_ptr(), b.data_ptr(), n, y.data_ptr(), 0, nt)
+        return y
+
+    want = [run(x, 1) for x in xs]
+    for pool in (1, 0):
+        lib.step_pool_set(pool)
+        try:
+            assert all(torch.equal(run(x, 2), y) for x, y in zip(xs, want))
+        finally:
+            lib.step_pool_set(1)
+    bad: list[int] = []
+
+    def caller(i: int) -> None:
+        for r in range(50):
+            j = (i + r) % len(xs)
+            if not torch.equal(run(xs[j], 2), want[j]):
+                bad.append(j)
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not bad
+
+
+def test_thread_chooser_picks_the_faster_count_per_step_size_and_keeps_checking():
+    """TRITON_LLM_STEP_THREADS=auto: per bucket of step sizes both counts are tried, then the one
+    with the lower time per token runs, the other one again now and then (recorded times here are
+    given, not measured)."""
+    tc = fused_decode.ThreadChooser()
+    assert tc.pick(32, 1) == 1                          # a cap of one thread: nothing to choose
+    seen = []
+    for _ in range(2 * tc.WARM):                        # warm-up: each count WARM times
+        nt = tc.pick(32, 2)
+        seen.append(nt)
+        tc.record(32, nt, (0.010 if nt == 1 else 0.020) * 32 / 32)
+    assert sorted(seen) == [1] * tc.WARM + [2] * tc.WARM
+    assert tc.choice(32, 2) == 1 and tc.choice(40, 2) == 1          # 32..63 tokens: one bucket
+    assert tc.choice(8, 2) is None                                    # another bucket: not measured yet
+    picks = []
+    for _ in range(4 * tc.EXPLORE_FAR):                 # one thread 2x faster: the cap only rarely
+        nt = tc.pick(32, 2)
+        picks.append(nt)
+        tc.record(32, nt, 0.010 if nt == 1 else 0.020)
+    assert 1 <= picks.count(2) <= 4 * tc.EXPLORE_FAR // tc.EXPLORE_FAR + 1
+    for _ in range(8 * tc.EXPLORE_FAR):                 # the other core frees up: two threads win
+        nt = tc.pick(32, 2)
+        tc.record(32, nt, 0.010 if nt == 1 else 0.004)
+    assert tc.choice(32, 2) == 2
+    picks = [tc.pick(32, 2) for _ in range(tc.EXPLORE_FAR)]
+    assert picks.count(2) >= tc.EXPLORE_FAR - 2
+
+
+def test_adaptive_threads_step_is_exact(runner, monkeypatch):
+    """A decoder built with TRITON_LLM_STEP_THREADS=auto runs each step at its chosen count and
+    gives the logits of the fixed count."""
+    seqs = prefill(runner, [random.Random(i).randrange(5, 23) for i in range(16)], seed=21)
+    batch = build_batch([SeqChunk([t[-1]], len(t), tab) for t, tab in seqs], BLOCK)
+    want, _ = _step_with(runner, batch, 1, True)
+    chooser, runner.fused.threads = runner.fused.threads, fused_decode.ThreadChooser()
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    before = runner.storage.kv.clone()
+    try:
+        for _ in range(2 * fused_decode.ThreadChooser.WARM + 2):
+            assert torch.equal(runner.execute(batch), want)
+            runner.storage.kv.copy_(before)
+        assert runner.fused.threads.choice(16, 2) in (1, 2)
+    finally:
+        torch.set_num_threads(saved)
+        runner.fused.threads = chooser
