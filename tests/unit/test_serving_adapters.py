@@ -9,6 +9,7 @@ import importlib.util
 import json
 import sys
 import threading
+import time
 import types
 
 import numpy as np
@@ -223,10 +224,18 @@ def test_engine_adapter_streams_then_survives_a_crash(pb):
         assert later.sender.done.wait(30)
         (resp, flag), = later.sender.responses
         assert resp.error.code == "UNAVAILABLE" and resp.error.msg.startswith("[unavailable]")
-        svc.metrics.flush()
         healthy = MetricFamily.all["llm_engine_healthy"].metrics[0]
+        errors = MetricFamily.all["llm_requests_finished_total"].metrics[3]
+        # the response thread queues the crash's metric events around its sends: flush until they
+        # are applied (a deadline, not one flush that might come before they were queued)
+        deadline = time.monotonic() + 30
+        while True:
+            svc.metrics.flush()
+            if (healthy.value == 0.0 and errors.value >= 1) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         assert healthy.value == 0.0
-        assert MetricFamily.all["llm_requests_finished_total"].metrics[3].labels["reason"] == "error"
-        assert MetricFamily.all["llm_requests_finished_total"].metrics[3].value == 1
+        assert errors.labels["reason"] == "error"
+        assert errors.value == 1
     finally:
         engine.finalize()
