@@ -105,7 +105,9 @@ def _send_one(h: RequestHandle, outputs: dict | None, error: EngineError | None,
 class _Sender:
     """One sender thread: makes the queued sends of the requests assigned to it, in order."""
 
-    def __init__(self, name: str, failed: Callable[[RequestHandle, bool], None]) -> None:
+    def __init__(self, name: str, failed: Callable[[RequestHandle, bool], None],
+                 cpus: set[int] | None = None) -> None:
+        self.cpus = cpus
         self.q: queue.SimpleQueue = queue.SimpleQueue()
         self.load = 0                       # open requests assigned (response thread only)
         self._failed = failed
@@ -114,6 +116,11 @@ class _Sender:
 
     def _run(self) -> None:
         _name_os_thread()
+        if self.cpus:
+            try:
+                os.sched_setaffinity(0, self.cpus)
+            except OSError:
+                pass
         while True:
             item = self.q.get()
             if item is None:
@@ -170,6 +177,7 @@ class ResponseThread:
         self.senders = default_senders() if senders is None else max(0, senders)
         self._senders: list[_Sender] = []
         self._sender_of: dict[RequestHandle, _Sender] = {}
+        self.sender_cpus: set[int] | None = None    # None: the senders run where this thread runs
         self._use_senders = False           # started and not closed: sends go to the senders
         self._thread = threading.Thread(target=self.run, name="llm-responses", daemon=True)
 
@@ -460,7 +468,8 @@ class ResponseThread:
         s = self._sender_of.get(h)
         if s is None and self._use_senders and self.senders > 0:
             while len(self._senders) < self.senders:
-                self._senders.append(_Sender(f"llm-send-{len(self._senders)}", self._send_failed))
+                self._senders.append(_Sender(f"llm-send-{len(self._senders)}", self._send_failed,
+                                             self.sender_cpus))
             s = min(self._senders[:self.senders], key=lambda x: x.load)
             s.load += 1
             self._sender_of[h] = s
