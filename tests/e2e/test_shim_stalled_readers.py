@@ -71,11 +71,11 @@ def test_stalled_readers_are_aborted_and_memory_stays_bounded(slow_shim):
         took = time.monotonic() - start
         aborted = metric(m, ABORTED) - aborted_before
         assert aborted >= READERS, f"only {aborted} of {READERS} stalled streams were aborted"
-        assert wait_metric(m, KV, lambda v: v == 0, timeout=30) == 0
-        assert wait_metric(m, RUNNING, lambda v: v == 0, timeout=30) == 0
+        assert wait_metric(m, KV, lambda v: v == 0, timeout=60) == 0      # generous: loaded CI host
+        assert wait_metric(m, RUNNING, lambda v: v == 0, timeout=60) == 0
         # every stalled connection was closed by the shim: draining it ends in EOF
         for s in socks:
-            s.settimeout(10)
+            s.settimeout(60)
             while s.recv(1 << 20):
                 pass
     finally:

@@ -1,8 +1,10 @@
 """``triton-llm serve`` stops fast and clean (issue 19).
 
-* Idle after 8 concurrent streamed chat completions through the shim: SIGTERM exits in < 5 s.
-  (It took 68 s: a client that cancelled its finished gRPC stream hit a Triton 2.51 front-end
-  race that kept the ``llm`` ensemble loaded; see client/triton_client.py and tritonserver.drain.)
+* Idle after 8 concurrent streamed chat completions through the shim: SIGTERM exits without
+  waiting out the drain deadline. (It took 68 s, the 60 s default deadline: a client that
+  cancelled its finished gRPC stream hit a Triton 2.51 front-end race that kept the ``llm``
+  ensemble loaded; see client/triton_client.py and tritonserver.drain.) No wall-clock bound (a
+  loaded CI host is 5-10x slower): the test sets a drain deadline far past its wait instead.
 * Streams still open at the drain deadline are cut, then everything stops, nothing is left.
 """
 from __future__ import annotations
@@ -76,13 +78,16 @@ def _chat_stream(base: str, model: str, i: int, out: list) -> None:
 
 def _read_to_end(s: Stream, res: Result) -> None:
     try:
-        s.collect(res, timeout=30)
+        s.collect(res, timeout=60)
     finally:
         s.close()
 
 
+IDLE_DRAIN_S = 600      # far past the wait below: an idle stop that waits out the drain fails
+
+
 def test_idle_shutdown_after_concurrent_streams_is_fast(tmp_path):
-    serve = Serve(tmp_path / "serve", shim=True)
+    serve = Serve(tmp_path / "serve", shim=True, env={"TRITON_LLM_DRAIN_SECONDS": str(IDLE_DRAIN_S)})
     try:
         base = f"http://127.0.0.1:{serve.shim}"
         model = httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
@@ -92,11 +97,14 @@ def test_idle_shutdown_after_concurrent_streams_is_fast(tmp_path):
             [t.start() for t in threads]
             [t.join() for t in threads]
             assert out == [(200, "data: [DONE]")] * 8
-        time.sleep(0.5)                          # every stream over: nothing in flight
-        code, took = serve.sigterm_and_wait(timeout=90)
-        print(f"\nidle shutdown after 16 streamed chat completions: {took:.2f}s")
+        # every stream over (the clients read [DONE]); a stream still unwinding would end at once
+        # anyway, far within the drain deadline
+        try:
+            code, took = serve.sigterm_and_wait(timeout=IDLE_DRAIN_S / 4)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"idle shutdown waited for the drain deadline\n{serve.logs()}")
+        print(f"\nidle shutdown after 16 streamed chat completions: {took:.2f}s")   # ~3.5 s
         assert code == 0, "".join(serve.lines)
-        assert took < 8.0, f"idle shutdown took {took:.2f}s\n" + serve.logs()   # ~3.5 s; generous: 2 busy cores
     finally:
         serve.kill()
     assert serve.leftovers() == []
@@ -117,9 +125,10 @@ def test_streams_open_at_the_drain_deadline_are_cut_then_all_stops(tmp_path):
         [t.start() for t in readers]             # clients read on and close their streams
         code, took = serve.sigterm_and_wait(timeout=60)
         print(f"\nshutdown with 4 open streams, 1 s drain: {took:.2f}s")
-        [t.join(timeout=10) for t in readers]
+        [t.join(timeout=60) for t in readers]
         assert code == 0, "".join(serve.lines)
-        assert took < 1 + 8, serve.logs()        # the deadline, the cut, then a normal stop (~5 s)
+        # the streams were cut at the deadline (~5 s in all), not run to their 1000 tokens: no
+        # wall-clock bound (a loaded CI host is 5-10x slower), the finish reasons below tell it
         for _, res in streams:
             assert res.error is None and res.finals == 1, res      # cut cleanly: a last response
             assert res.finish_reason == "abort" and 0 < len(res.ids) < 1000
@@ -141,27 +150,32 @@ def test_engine_death_turns_readiness_false_and_ends_open_streams(tmp_path):
         t0 = time.monotonic()
         crash = Stream(serve)
         crash.send("engine", make_inputs(input_ids=[1, 2]), "crash", dict(test_fault="crash_engine", max_tokens=2))
-        s.collect(res, timeout=30)                  # the open stream ends with an error, not a hang
+        s.collect(res, timeout=60)                  # the open stream ends with an error, not a hang
         s.close()
         assert res.error is not None and res.finish_reason != "length"
         engine_ready = shim_ready = None
-        while time.monotonic() - t0 < 30 and (engine_ready is None or shim_ready is None):
+        while time.monotonic() - t0 < 120 and (engine_ready is None or shim_ready is None):
             try:
                 if engine_ready is None and httpx.get(f"http://127.0.0.1:{serve.http}/v2/models/engine/ready",
-                                                      timeout=2).status_code != 200:
+                                                      timeout=10).status_code != 200:
                     engine_ready = time.monotonic() - t0
+            except httpx.TimeoutException:          # slow (loaded host), not an answer: ask again
+                pass
             except httpx.HTTPError:                 # Triton already stopped: not ready either
                 engine_ready = time.monotonic() - t0
             try:
-                if shim_ready is None and httpx.get(f"{base}/ready", timeout=2).status_code != 200:
+                if shim_ready is None and httpx.get(f"{base}/ready", timeout=10).status_code != 200:
                     shim_ready = time.monotonic() - t0
+            except httpx.TimeoutException:
+                pass
             except httpx.HTTPError:
                 shim_ready = time.monotonic() - t0
             time.sleep(0.05)
         crash.close()
+        # not ready any more (no wall-clock bound: a loaded CI host is 5-10x slower; a readiness
+        # that never turns false fails after the poll's 120 s)
+        assert engine_ready is not None and shim_ready is not None, serve.logs()
         print(f"\nengine death -> engine not ready {engine_ready:.2f}s, shim /ready false {shim_ready:.2f}s")
-        assert engine_ready is not None and engine_ready < 5.0
-        assert shim_ready is not None and shim_ready < 5.0
         assert serve.proc.wait(timeout=60) == 1     # serve exits for its supervisor to restart it
     finally:
         serve.kill()
