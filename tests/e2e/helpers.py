@@ -171,7 +171,7 @@ def metric(snapshot: dict, name: str, **labels) -> float:
     return snapshot.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
-def wait_metric(server, pred, timeout: float = 1.0, interval: float = 0.05) -> tuple[dict, float]:
+def wait_metric(server, pred, timeout: float = 30.0, interval: float = 0.05) -> tuple[dict, float]:
     """Scrape until ``pred(snapshot)`` holds; returns (snapshot, seconds waited). Raises on timeout."""
     t0 = time.monotonic()
     while True:

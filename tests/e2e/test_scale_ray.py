@@ -149,7 +149,7 @@ def test_hanging_up_aborts_the_request_in_the_replicas_engine(scaled):
     before = {rid: _metric(s["metrics_port"], "llm_requests_aborted_total")
               for rid, s in _replica_servers().items()}
     _stream_and_hang_up(scaled, LONG)
-    deadline, gained = time.monotonic() + 20, 0.0
+    deadline, gained = time.monotonic() + 60, 0.0
     while time.monotonic() < deadline and gained < 1:
         time.sleep(0.5)
         gained = sum(_metric(s["metrics_port"], "llm_requests_aborted_total") - before.get(rid, 0)
