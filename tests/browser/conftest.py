@@ -172,6 +172,11 @@ def chromium():
 
     Module-scoped: Playwright's sync API keeps an event loop running on this thread while it is
     open, which would break the asyncio tests that run after the browser tests."""
+    from playwright.sync_api import expect
+
+    # Playwright's expect() retries for 5 s by default, apart from the page's default timeout (see
+    # chat_page): a loaded 2-core CI host can take longer to fetch and render (a flake, not a bug)
+    expect.set_options(timeout=30_000)
     if not os.path.exists(CHROMIUM):
         res = subprocess.run(["bash", str(ROOT / "scripts" / "install_browser.sh")],
                              capture_output=True, text=True, timeout=1200)

@@ -6,7 +6,6 @@ tenants, whose prefix caches are salted apart: the same prompt with a cold cache
 """
 from __future__ import annotations
 
-import statistics
 import time
 
 import httpx
@@ -14,6 +13,9 @@ import openai
 import pytest
 
 from client.chat.context import TokenCounter
+from tests.e2e.settle import llm_values, settled
+
+FINISHED = "llm_requests_finished_total"      # the engine's finished choices (backend/serving/metrics.py)
 
 pytestmark = pytest.mark.e2e
 
@@ -88,12 +90,11 @@ def test_follow_up_turn_reuses_the_history_cache(chat_stack):
     for name in ("server_ttft", "client_ttft"):
         print(f"{name}: warm {[round(r[name] * 1e3, 1) for r in warm]} ms, "
               f"cold {[round(r[name] * 1e3, 1) for r in cold]} ms")
+    # The reuse is asserted on the cached-token counts, not on the TTFT ratio (printed above): a
+    # wall-clock comparison flakes on a loaded CI host, and speed belongs to load/ benchmarks.
     assert follow_up["cached"] >= 0.9 * history
+    assert all(r["cached"] >= 0.9 * history for r in warm), [r["cached"] for r in warm]
     assert all(r["cached"] == 0 for r in cold), "another tenant's request hit this tenant's cache"
-    for name in ("server_ttft", "client_ttft"):
-        w = statistics.median(r[name] for r in warm)
-        c = statistics.median(r[name] for r in cold)
-        assert w < 0.5 * c, f"{name}: warm {w * 1e3:.1f} ms is not a fraction of cold {c * 1e3:.1f} ms"
 
 
 def test_summarize_policy_uses_the_model_once(chat_stack):
@@ -117,9 +118,14 @@ def test_summarize_policy_uses_the_model_once(chat_stack):
     assert ctx["messages"][0]["content"].startswith("You are helpful.\n\n")
     assert ctx["summary"] in ctx["messages"][0]["content"]
     assert [m["content"] for m in ctx["messages"][1:]] == ["And then?"]
+    # Read from the cache = no generation on the engine: its finished-requests counter (summed over
+    # reasons) does not move. Settled before and after (the counter is written off the hot path),
+    # instead of comparing wall-clock times, which flakes on a loaded CI host.
+    generations = settled(lambda: llm_values(chat_stack.metrics_url))[FINISHED]
     t0 = time.perf_counter()
     again = api.get(f"/api/conversations/{conv}/context").json()
     cached = time.perf_counter() - t0
     print(f"\nsummary made in {first * 1e3:.0f} ms, served from the cache in {cached * 1e3:.0f} ms")
     assert again["summary"] == ctx["summary"] and again["messages"] == ctx["messages"]
-    assert cached < first / 4, "the summary was made again instead of read from the cache"
+    assert settled(lambda: llm_values(chat_stack.metrics_url))[FINISHED] == generations, \
+        "the summary was made again instead of read from the cache"

@@ -141,7 +141,7 @@ def test_after_the_fuzz_the_reference_is_unchanged_and_the_pool_idle(triton_serv
     assert TOTAL["count"] >= 500, TOTAL
     again = _reference(triton_server)
     assert again.error is None and again.ids == reference.ids and again.text == reference.text
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60          # generous: a loaded CI host is 5-10x slower
     while True:
         snap = scrape(triton_server)
         idle = (metric(snap, "llm_kv_cache_usage_ratio") == 0 and metric(snap, "llm_num_requests_running") == 0
