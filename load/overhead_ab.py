@@ -35,10 +35,11 @@ import time
 from backend.serving.repository import POSTPROCESSING_STEP_ENV
 from load.backends import EngineBackend, GrpcBackend, ShimBackend
 from load.bench import bench_point, warm_up
-from load.profile_overhead import cpu_seconds, group_members
+from load.profile_overhead import cpu_seconds, group_members, label
 from load.stack import ROOT, Stack, engine_options, resolve_model
 from load.workloads import WorkloadSpec, make_workload
 
+THREAD_STATS = False            # --thread-stats: per-thread CPU / run-queue wait of each load point
 CONTENDERS = {
     "engine": "in-process EngineLoop",
     "http": "full stack: shim + ensemble (engine detokenizes)",
@@ -115,6 +116,44 @@ def _cpu(pids: list[int]) -> float:
     return total
 
 
+def _threads(pids: list[int]) -> dict[tuple[int, int], tuple[float, float, int, int]]:
+    """Per thread of ``pids``: (ms on a CPU, ms runnable but waiting for one, voluntary and
+    involuntary context switches), from /proc/<pid>/task/<tid>/{schedstat,status}."""
+    out = {}
+    for p in pids:
+        try:
+            tids = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for t in tids:
+            try:
+                run, wait = open(f"/proc/{p}/task/{t}/schedstat").read().split()[:2]
+                status = open(f"/proc/{p}/task/{t}/status").read()
+                vol = int(status.split("\nvoluntary_ctxt_switches:")[1].split()[0])
+                nvol = int(status.split("nonvoluntary_ctxt_switches:")[1].split()[0])
+            except (OSError, IndexError, ValueError):
+                continue
+            out[(p, int(t))] = (int(run) / 1e6, int(wait) / 1e6, vol, nvol)
+    return out
+
+
+def thread_stats(before: dict, after: dict, tokens: int, top: int = 4) -> list[dict]:
+    """The ``top`` threads by CPU over the load point: per output token, ms on a CPU and ms waiting
+    on the run queue, and their context switches (``--thread-stats``)."""
+    rows = []
+    for key, (run, wait, vol, nvol) in after.items():
+        r0, w0, v0, n0 = before.get(key, (0.0, 0.0, 0, 0))
+        try:
+            comm = open(f"/proc/{key[0]}/task/{key[1]}/comm").read().strip()
+        except OSError:
+            comm = "?"
+        rows.append({"pid": key[0], "tid": key[1], "comm": comm, "process": label(key[0]),
+                     "run_ms_per_token": (run - r0) / max(tokens, 1), "wait_ms_per_token": (wait - w0) / max(tokens, 1),
+                     "voluntary": vol - v0, "involuntary": nvol - n0})
+    rows.sort(key=lambda r: -r["run_ms_per_token"])
+    return rows[:top]
+
+
 def split_contender(label: str) -> tuple[str, dict]:
     """``http@stream_interval=0.03`` -> ("http", {"stream_interval": "0.03"}): per-contender options."""
     name, *items = label.split("@")
@@ -184,10 +223,12 @@ class Contender:
             jobs = make_workload(WorkloadSpec("mixed", num_jobs=n, input_len=128, output_len=128,
                                               range_ratio=0.5, seed=seed))
             pids = _pids(self.stack)
+            th0 = _threads(pids) if THREAD_STATS else None
             c0, t0 = _cpu(pids), time.perf_counter()
             point = await bench_point(self.be, jobs, concurrency=conc, request_rate=None, progress=False,
                                       desc=f"{self.name} c={conc}")
             wall, cpu = time.perf_counter() - t0, _cpu(pids) - c0
+            th1 = _threads(pids) if THREAD_STATS else None
             s = point["summary"]
             tokens = s["total_output_tokens"]
             if s["failed"]:
@@ -200,6 +241,12 @@ class Contender:
             r = out[-1]
             print(f"  {self.label:10s} c={conc:3d}: {r['tok_s']:7.1f} tok/s  ITL p50 {r['itl_p50_ms']:6.2f} ms  "
                   f"CPU {r['cpu_ms_per_token']:.2f} ms/token", flush=True)
+            if THREAD_STATS and tokens:
+                r["threads"] = thread_stats(th0, th1, tokens)
+                for t in r["threads"]:
+                    print(f"    {t['process'][:28]:28s} {t['comm'][:15]:15s} run {t['run_ms_per_token']:.3f} "
+                          f"wait {t['wait_ms_per_token']:.3f} ms/token, switches {t['voluntary']} vol "
+                          f"{t['involuntary']} invol", flush=True)
         return out
 
 
@@ -285,7 +332,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="start every contender once and keep them up (idle) between rounds: short rounds, "
                         "many pairs (memory for all stacks at once)")
     p.add_argument("--out", default=None)
+    p.add_argument("--thread-stats", action="store_true",
+                   help="per load point, the busiest threads' CPU and run-queue wait per token (/proc schedstat)")
     args = p.parse_args(argv)
+    global THREAD_STATS
+    THREAD_STATS = args.thread_stats
     res = asyncio.run(main_async(args))
     out = pathlib.Path(args.out or ROOT / "load" / "results" / f"overhead-ab-{pathlib.Path(args.model).name}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -34,6 +34,7 @@
  * pointers the caller passes, so they compute exactly what QuantLinear computes on the torch path.
  * The residual projections (o, down) write into the free ``xn`` rows and are added to h after.
  */
+#define _GNU_SOURCE 1          /* pthread_setname_np (the pool's worker threads) */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -171,6 +172,7 @@ static inline void cpu_pause(void) {
 
 static void *pool_worker(void *arg) {
     (void)arg;
+    pthread_setname_np(pthread_self(), "step-pool");    /* for per-thread profiles (/proc/.../comm) */
     uint64_t seen = atomic_load(&pool.state) >> 32;
     for (;;) {
         uint32_t sq = atomic_load(&pool.seq);
