@@ -36,7 +36,7 @@ KEYS = {"alice": "sk-alice", "bob": "sk-bob", "cold1": "sk-cold1", "cold2": "sk-
 FAKE = os.environ.get("TRITON_LLM_CHAT_FAKE") == "1"
 
 
-def _get(url: str, timeout: float = 2.0) -> str:
+def _get(url: str, timeout: float = 15.0) -> str:       # generous: a loaded 2-core CI host
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return r.read().decode()
 
@@ -73,7 +73,7 @@ class Stack:
         return abort_total(self.metrics())
 
 
-def _wait_http(url: str, proc: subprocess.Popen | None, log: pathlib.Path, timeout: float = 60):
+def _wait_http(url: str, proc: subprocess.Popen | None, log: pathlib.Path, timeout: float = 180):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:

@@ -134,15 +134,17 @@ def _start(db, port):
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
+    deadline = time.monotonic() + 180               # imports take long on a loaded 2-core CI host
+    while time.monotonic() < deadline and proc.poll() is None:
         try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
                 return proc, url
         except httpx.HTTPError:
             time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("shim did not start")
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    raise RuntimeError(f"shim did not start (exit code {proc.returncode})")
 
 
 def _stop(proc):
