@@ -142,14 +142,9 @@ def apply_knobs(knobs: dict) -> None:
             if t.name == "llm-responses" and hasattr(rt, "senders"):
                 rt.senders = max(0, int(knobs["response_senders"]))
                 # A/B: the senders (mostly waiting on IPC) on the other cpus, off the engine's core
-                off = int(knobs.get("senders_offcore", 0))
                 mine = os.sched_getaffinity(0)
-                rt.sender_cpus = (set(range(os.cpu_count() or 1)) - mine or mine) if off else None
-                for s in list(rt._senders):
-                    try:
-                        os.sched_setaffinity(s.thread.native_id, rt.sender_cpus or mine)
-                    except (OSError, TypeError):
-                        pass
+                off = int(knobs.get("senders_offcore", 0))
+                rt.place_senders((set(range(os.cpu_count() or 1)) - mine or mine) if off else None)
     if "metrics_ipc" in knobs:                  # A/B only: 0 = no metric IPC from this stub (see _mute_metrics)
         _mute_metrics(not int(knobs["metrics_ipc"]))
     if "offcore" in knobs:                      # A/B only: these threads (OS names, '/') off the engine's cpus

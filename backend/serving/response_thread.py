@@ -189,6 +189,17 @@ class ResponseThread:
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
+    def place_senders(self, cpus: set[int] | None) -> None:
+        """Run the sender threads (those running and those started later) on ``cpus``; None: on
+        this thread's cpus. A/B only (backend/serving/disagg_engine.py ``apply_knobs``)."""
+        self.sender_cpus = cpus
+        for s in list(self._senders):
+            s.cpus = cpus
+            try:
+                os.sched_setaffinity(s.thread.native_id, cpus or os.sched_getaffinity(self._thread.native_id))
+            except (OSError, TypeError):
+                pass
+
     def post(self, msg: Message) -> None:
         """Queue a message; once closed, answer it here (under the lock, one caller at a time)."""
         with self._lock:
