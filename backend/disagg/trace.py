@@ -42,6 +42,7 @@ class StepTrace:
         self._gc_start = 0.0
         self._next_check = 0.0
         self._control_mtime = None
+        self.sends: collections.deque = collections.deque()     # see time_sends()
         gc.callbacks.append(self._on_gc)
         self._stop = threading.Event()
         self._every = every
@@ -73,6 +74,17 @@ class StepTrace:
         tok = [[d.request_id, len(d.new_token_ids)] for d in deltas if d.new_token_ids]
         rec = {"k": "step", "t0": t0, "ta": ta, "t1": t1, "run": running, "adm": admitted, "tok": tok}
         self._buf.append(rec)
+        sends = self.sends
+        while sends:                        # the response path's send wall times (response_thread.py)
+            t, dur = sends.popleft()
+            self._buf.append({"k": "send", "t": t, "dur": dur})
+
+    def time_sends(self) -> None:
+        """Record the wall time of every response send of this process (the response thread's or
+        its senders'), flushed with the steps."""
+        from backend.serving import response_thread
+
+        self.sends = response_thread.SEND_TIMES = collections.deque()
 
     def _on_gc(self, phase: str, info: dict) -> None:
         now = time.monotonic()
@@ -173,10 +185,10 @@ def report(directory: str | os.PathLike, window: tuple[float, float] | None = No
     ``window`` = (t_from, t_to) monotonic: only tokens the client received in it. ``prefix``: only
     request ids starting with it (the steady streams of the bench: ``s``)."""
     d = pathlib.Path(directory)
-    steps, gcs = [], []
+    steps, gcs, sends = [], [], []
     for p in sorted(d.glob("decode-*.jsonl")):
         for r in _load(p):
-            (steps if r["k"] == "step" else gcs).append(r)
+            (steps if r["k"] == "step" else sends if r["k"] == "send" else gcs).append(r)
     client = [r for p in sorted(d.glob("client-*.jsonl")) for r in _load(p)]
     steps.sort(key=lambda r: r["t1"])
     client.sort(key=lambda r: r["t"])
@@ -192,6 +204,7 @@ def report(directory: str | os.PathLike, window: tuple[float, float] | None = No
     gaps = [b["t0"] - a["t1"] for a, b in zip(sel, sel[1:])]
     cadence = [b["t1"] - a["t1"] for a, b in zip(sel, sel[1:]) if a["tok"] and b["tok"]]
     gsel = [g for g in gcs if lo <= g["t"] < hi]
+    send_wall = [x["dur"] for x in sends if lo <= x["t"] < hi]
     cgc = [r for p in sorted(d.glob("clientgc-*.jsonl")) for r in _load(p) if r["k"] == "gc" and lo <= r["t"] < hi]
     ce = [c_itl[k] for k in keys]
     ee = [e_itl[k] for k in keys]
@@ -227,6 +240,7 @@ def report(directory: str | os.PathLike, window: tuple[float, float] | None = No
         "between_steps_p50": pct(gaps, 0.5), "between_steps_p99": pct(gaps, 0.99),
         "admit_p50": pct(admit, 0.5), "admit_max": max(admit, default=float("nan")), "admit_steps": len(admit),
         "steps": len(sel),
+        "sends": len(send_wall), "send_p50": pct(send_wall, 0.5), "send_p99": pct(send_wall, 0.99),
         "step_by_running": {n: (len(v), pct(v, 0.5)) for n, v in sorted(_by_running(sel).items()) if len(v) >= 20},
         "gc": {g: (sum(1 for x in gsel if x["gen"] == g), 1e3 * max((x["dur"] for x in gsel if x["gen"] == g),
                                                                    default=0.0)) for g in (0, 1, 2)},
@@ -255,7 +269,9 @@ def format_report(r: dict) -> str:
             f"step (model + update)  p50 {ms('step_p50')} ms  p99 {ms('step_p99')} ms  max {ms('step_max')} ms; "
             f"cadence p50 {ms('cadence_p50')} p99 {ms('cadence_p99')} ms; "
             f"between steps p50 {ms('between_steps_p50')} p99 {ms('between_steps_p99')} ms\n"
-            f"admission (on the step thread)  {r['admit_steps']} steps, p50 {ms('admit_p50')} ms, "
+            + (f"send (one response's IPC, wall)  {r['sends']} sends, p50 {ms('send_p50')} ms, p99 "
+               f"{ms('send_p99')} ms\n" if r.get("sends") else "")
+            + f"admission (on the step thread)  {r['admit_steps']} steps, p50 {ms('admit_p50')} ms, "
             f"max {ms('admit_max')} ms\n"
             f"step p50 by running sequences: "
             + ", ".join(f"{n}: {1e3 * t:.1f} ms ({c})" for n, (c, t) in r["step_by_running"].items()) + "\n"

@@ -228,6 +228,8 @@ class DecodeEngine(_Wrapped):
         self._staged_at: dict[str, float] = {}
         self.handover_seconds: collections.deque = collections.deque(maxlen=4096)   # for RoleMetrics
         self.trace = StepTrace.from_env("decode")    # LLM_DISAGG_TRACE=<dir>: backend/disagg/trace.py
+        if self.trace is not None:
+            self.trace.time_sends()
         self._named = False
 
     def add_request(self, request_id: str, prompt_token_ids, params=None, **kw) -> None:

@@ -48,6 +48,7 @@ request's tokens (dropped, as before).
 """
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import queue
@@ -94,10 +95,19 @@ class SendFailed:
     final: bool
 
 
+# (start, wall seconds) of every send while a trace collects them (backend/disagg/trace.py sets a
+# deque here and drains it); None: not timed
+SEND_TIMES: "collections.deque | None" = None
+
+
 def _send_one(h: RequestHandle, outputs: dict | None, error: EngineError | None, final: bool) -> None:
     if ttft_trace.ENABLED:
         ttft_trace.mark(h.rid, "rt.send0")
+    times = SEND_TIMES
+    t0 = time.monotonic() if times is not None else 0.0
     h.responder.send(outputs, error=error, final=final)
+    if times is not None:
+        times.append((t0, time.monotonic() - t0))
     if ttft_trace.ENABLED:
         ttft_trace.mark(h.rid, "rt.sent0")
 

@@ -50,3 +50,28 @@ def test_report_splits_engine_cadence_from_delivery(tmp_path):
     # (that step's first token, s-0's, was on time)
     assert r["tail_mean_client_itl"] > 0.017 and abs(r["tail_mean_engine_itl"] - 0.01) < 1e-6
     assert abs(r["tail_mean_first_lag_diff"]) < 1e-9 and abs(r["tail_mean_position_diff"] - 0.008) < 1e-6
+
+
+def test_the_trace_records_each_send_of_the_response_path(tmp_path):
+    from backend.serving import response_thread as R
+    from backend.serving.messages import RequestHandle
+
+    class Responder:
+        def __init__(self):
+            self.sent = 0
+
+        def send(self, outputs=None, *, error=None, final=False):
+            self.sent += 1
+
+    tr = StepTrace(tmp_path)
+    try:
+        tr.time_sends()
+        h = RequestHandle("s0-0", Responder(), arrival=0.0)
+        for _ in range(3):
+            R._send_one(h, {}, None, False)
+        tr.step(1.0, 1.0, 1.001, 1, 0, [])
+    finally:
+        R.SEND_TIMES = None
+        tr.close()
+    r = report(tmp_path)
+    assert h.responder.sent == 3 and r["sends"] == 3 and r["send_p99"] >= r["send_p50"] >= 0.0
