@@ -16,6 +16,7 @@ busy spin). If a step raises, every open request gets a final StepDelta with
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -65,6 +66,23 @@ class _Open:
     sink: Sink
     remaining: int           # choices not final yet
     tenant: str = ""
+
+
+ENGINE_NICE_ENV = "TRITON_LLM_ENGINE_NICE"
+
+
+def _apply_engine_nice() -> None:
+    """On the engine thread: its nice value from ``TRITON_LLM_ENGINE_NICE`` when set (the engine
+    stub's default, backend/serving/tritonserver.py: the serving stack's other processes then
+    preempt the step's pool worker, whose chunks the engine thread takes over, instead of the engine
+    thread itself). Best effort: without the privilege to lower it, the thread keeps its value."""
+    value = os.environ.get(ENGINE_NICE_ENV)
+    if not value:
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), int(value))
+    except (OSError, ValueError) as exc:
+        log.debug("engine thread nice %s not applied: %s", value, exc)
 
 
 class EngineLoop:
@@ -166,6 +184,7 @@ class EngineLoop:
     # -- engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
+        _apply_engine_nice()
         try:
             audit_due = False
             while True:

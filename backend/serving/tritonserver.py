@@ -42,7 +42,12 @@ class ServerStartError(RuntimeError):
 # thread need between steps, so they preempt the engine thread instead (measured: the engine
 # thread waited ~5-10 ms per 32-stream step on the run queue; docs/benchmarks.md "The GIL and
 # idle cores"). A value in the caller's environment wins.
-STUB_ENV_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+# The engine thread at nice -19 (backend/engine/engine_loop.py; applied where the process may raise
+# a thread's priority, else ignored): the plumbing's bursts otherwise preempt it ~16 times per
+# 32-stream step (0.13-0.23 ms of run-queue wait per token on bench-15m, the whole gap to the
+# in-process engine); the step's pool worker stays at the process's priority, so they preempt the
+# worker instead, whose chunks the engine thread takes over (docs/benchmarks.md, sixth round).
+STUB_ENV_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "TRITON_LLM_ENGINE_NICE": "-19"}
 
 
 def stub_env(env: dict[str, str]) -> dict[str, str]:

@@ -145,6 +145,7 @@ static inline float hsum(v8 a) {
 #include <unistd.h>
 #include <limits.h>
 #include <sched.h>
+#include <sys/resource.h>
 
 typedef void (*chunk_fn)(void *ctx, int64_t c);
 
@@ -173,6 +174,12 @@ static inline void cpu_pause(void) {
 static void *pool_worker(void *arg) {
     (void)arg;
     pthread_setname_np(pthread_self(), "step-pool");    /* for per-thread profiles (/proc/.../comm) */
+    /* The process's nice value, not the one inherited from the thread that started the pool (the
+     * engine thread may run at a higher priority: the stack's other work should preempt a worker,
+     * whose chunks the caller takes over, rather than the caller). Raising it is always allowed. */
+    const int self_nice = getpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid));
+    const int proc_nice = getpriority(PRIO_PROCESS, (id_t)getpid());
+    if (proc_nice > self_nice) setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), proc_nice);
     uint64_t seen = atomic_load(&pool.state) >> 32;
     for (;;) {
         uint32_t sq = atomic_load(&pool.seq);

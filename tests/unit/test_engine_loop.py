@@ -312,3 +312,31 @@ def test_abort_only_reaches_a_request_of_the_same_tenant():
         assert collect(q)[-1].finish_reason == "abort"
     finally:
         loop.shutdown(drain=False)
+
+
+def test_engine_thread_takes_its_nice_value_from_the_environment(monkeypatch):
+    """TRITON_LLM_ENGINE_NICE sets the nice value of the thread that applies it (the engine thread;
+    the engine stub's default is -19, backend/serving/tritonserver.py); a value the process may not
+    set is ignored. Raising it (here +3 over the current) is always allowed."""
+    import os
+    import threading
+
+    from backend.engine import engine_loop as el
+    from backend.serving.tritonserver import STUB_ENV_DEFAULTS
+
+    assert STUB_ENV_DEFAULTS[el.ENGINE_NICE_ENV] == "-19"
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    seen = {}
+
+    def run(value: str) -> None:
+        monkeypatch.setenv(el.ENGINE_NICE_ENV, value)
+        el._apply_engine_nice()
+        seen[value] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    for value in (str(min(base + 3, 19)), "not-a-number"):
+        t = threading.Thread(target=run, args=(value,))
+        t.start()
+        t.join()
+    assert seen[str(min(base + 3, 19))] == min(base + 3, 19)
+    assert seen["not-a-number"] == base                   # a new thread keeps the creator's value
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base   # this thread untouched
