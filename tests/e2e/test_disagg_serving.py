@@ -18,6 +18,7 @@ from client.errors import InvalidRequestError
 from client.triton_client import TritonLLMClient
 from tests.conftest import E2E_ENGINE_OPTIONS
 from tests.e2e.helpers import metric, scrape, wait_metric
+from tests.e2e.settle import settled
 
 WORDS = ("alpha beta gamma delta river stone cloud paper window garden silver orange "
          "music winter engine forest number yellow planet bridge").split()
@@ -119,8 +120,9 @@ def test_outputs_identical_to_unified(triton_server, any_pair):
     assert len(stops) >= 4 and all(want[f"dis-{i}"][0]["finish"] == "stop" for i in stops)
     assert sum(len(v) == 2 for v in want.values()) == 4                     # n=2 requests
     assert handovers >= 20 and kept >= 8                                     # n=2, one-token: kept
-    snap, _ = wait_metric(pair.decode, lambda s: metric(s, "llm_disagg_handovers_total", role="decode",
-                                                         outcome="admitted") >= handovers, timeout=5)
+    # one snapshot of the whole poll: the counters are written one IPC each (tests/e2e/settle.py)
+    snap = settled(lambda: scrape(pair.decode), ready=lambda s: metric(
+        s, "llm_disagg_handovers_total", role="decode", outcome="admitted") >= handovers)
     assert metric(snap, "llm_disagg_handovers_total", role="decode", outcome="recomputed") == 0
     assert metric(snap, "llm_disagg_prefix_hit_blocks_total", role="decode") > 0      # not fetched again
     assert metric(snap, "llm_disagg_transfer_bytes_total", role="decode") > 0
@@ -128,7 +130,7 @@ def test_outputs_identical_to_unified(triton_server, any_pair):
     # the prefill engine's counters reach Prometheus in batches: wait for them too
     pre, _ = wait_metric(pair.prefill, lambda s: metric(s, "llm_disagg_staged_transfers", role="prefill") == 0
                          and metric(s, "llm_disagg_handovers_total", role="prefill", outcome="handed_over")
-                         >= handovers, timeout=10)
+                         >= handovers, timeout=60)
     assert metric(pre, "llm_disagg_staged_transfers", role="prefill") == 0
     assert metric(pre, "llm_disagg_handovers_total", role="prefill", outcome="handed_over") >= handovers
 
@@ -137,7 +139,7 @@ def _freed(server, role: str) -> None:
     wait_metric(server, lambda s: metric(s, "llm_kv_cache_usage_ratio") == 0
                 and metric(s, "llm_num_requests_running") == 0
                 and metric(s, "llm_disagg_staged_transfers", role=role) == 0
-                and metric(s, "llm_disagg_queue_depth", role=role) == 0, timeout=10)
+                and metric(s, "llm_disagg_queue_depth", role=role) == 0, timeout=60)
 
 
 def test_cancel_during_prefill_transfer_and_decode_frees_both_sides(pair):
@@ -150,7 +152,7 @@ def test_cancel_during_prefill_transfer_and_decode_frees_both_sides(pair):
         try:
             # 1. during prefill: queued behind other long prompts on the prefill server, the
             #    consumer goes away before anything arrived
-            before = scrape(pair.prefill)
+            before = settled(lambda: scrape(pair.prefill))     # earlier aborts all written
             busy = [asyncio.create_task(_collect(disagg.generate_ids(
                 [(j * 7 + k * 131) % 3000 + 5 for j in range(480)], params={"max_tokens": 2, "temperature": 0})))
                 for k in range(6)]
@@ -163,8 +165,9 @@ def test_cancel_during_prefill_transfer_and_decode_frees_both_sides(pair):
                 await task
             await asyncio.gather(*busy)
             await disagg.wait_aborts()
-            wait_metric(pair.prefill, lambda s: metric(s, "llm_requests_aborted_total")
-                        == metric(before, "llm_requests_aborted_total") + 1, timeout=10)   # polled counters
+            aborted = metric(before, "llm_requests_aborted_total") + 1      # polled counters
+            wait_metric(pair.prefill, lambda s: metric(s, "llm_requests_aborted_total") >= aborted, timeout=60)
+            assert metric(settled(lambda: scrape(pair.prefill)), "llm_requests_aborted_total") == aborted
             _freed(pair.prefill, "prefill")
             _freed(pair.decode, "decode")
 
@@ -176,13 +179,13 @@ def test_cancel_during_prefill_transfer_and_decode_frees_both_sides(pair):
             name = record["locator"]["name"]
             assert glob.glob(f"/dev/shm/{name}")                    # staged ...
             wait_metric(pair.prefill, lambda s: metric(s, "llm_disagg_staged_transfers", role="prefill") == 1
-                        and metric(s, "llm_kv_cache_usage_ratio") == 0, timeout=5)   # ... pool already free
+                        and metric(s, "llm_kv_cache_usage_ratio") == 0, timeout=60)  # ... pool already free
             assert await disagg.abort("c-xfer")
             assert not glob.glob(f"/dev/shm/{name}")                # released by the prefill server
             _freed(pair.prefill, "prefill")
 
             # 3. during decode: a few tokens streamed from the decode server, then the consumer stops
-            before = scrape(pair.decode)
+            before = settled(lambda: scrape(pair.decode))      # earlier aborts all written
             got = 0
             agen = disagg.generate_ids(long_prompt, request_id="c-dec", params=params)
             async for ch in agen:
@@ -193,8 +196,9 @@ def test_cancel_during_prefill_transfer_and_decode_frees_both_sides(pair):
             await disagg.wait_aborts()
             # the counters are polled (0.1 s): wait for the abort to show before checking the
             # gauges, which were 0 before this request too
-            wait_metric(pair.decode, lambda s: metric(s, "llm_requests_aborted_total")
-                        == metric(before, "llm_requests_aborted_total") + 1, timeout=10)
+            aborted = metric(before, "llm_requests_aborted_total") + 1
+            wait_metric(pair.decode, lambda s: metric(s, "llm_requests_aborted_total") >= aborted, timeout=60)
+            assert metric(settled(lambda: scrape(pair.decode)), "llm_requests_aborted_total") == aborted
             _freed(pair.decode, "decode")
             _freed(pair.prefill, "prefill")
             assert got < 200
