@@ -203,8 +203,8 @@ static void *pool_worker(void *arg) {
             s = atomic_load(&pool.state);
             if ((s >> 32) != seen) break;
             /* Read before the claim: a successful claim of (seen, idx) proves the loop was still
-             * current, so these were its fields (the caller publishes the next loop's only after
-             * every chunk of this one finished). */
+             * current, so these were its fields (the caller moves the state to a closed
+             * generation before it writes the next loop's fields). */
             const int64_t n = atomic_load(&pool.n);
             chunk_fn fn = atomic_load(&pool.fn);
             void *ctx = atomic_load(&pool.ctx);
@@ -259,12 +259,17 @@ static void pool_run(int nt, int64_t n, chunk_fn fn, void *ctx) {
         for (int64_t c = 0; c < n; c++) fn(ctx, c);
         return;
     }
+    /* Close the last loop before its fields change: a worker may have read the old state (every
+     * chunk claimed) and then this loop's n, and its claim of the old state must then fail, or it
+     * would run a chunk of this loop twice and over-count `done`. Generation gen + 1 has no
+     * claimable chunk; gen + 2 is this loop. */
+    const uint64_t gen = (atomic_load(&pool.state) >> 32) + 1;
+    atomic_store(&pool.state, ((gen & 0xffffffffu) << 32) | 0xffffffffu);
     atomic_store(&pool.fn, fn);
     atomic_store(&pool.ctx, ctx);
     atomic_store(&pool.n, n);
     atomic_store(&pool.done, 0);
-    const uint64_t gen = (atomic_load(&pool.state) >> 32) + 1;
-    atomic_store(&pool.state, (gen & 0xffffffffu) << 32);
+    atomic_store(&pool.state, ((gen + 1) & 0xffffffffu) << 32);
     atomic_fetch_add(&pool.seq, 1);
     if (atomic_load(&pool.sleepers) > 0)
         syscall(SYS_futex, &pool.seq, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
