@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 
 import pytest
 
@@ -26,11 +25,11 @@ def test_broken_config_fails_fast_with_reason(tmp_path):
     shutil.copytree(TEMPLATES, src)
     cfg = src / "preprocessing" / "config.pbtxt"
     cfg.write_text(cfg.read_text().replace("TYPE_INT32", "TYPE_NOT_A_TYPE"))
-    t0 = time.monotonic()
     server = TritonServer(model_dir("tiny"), repository_src=src, models=["preprocessing"], quiet=True)
     with pytest.raises(ServerStartError) as info:
         server.start()
-    assert time.monotonic() - t0 < 60
+    # fast: the server's exit was seen, not the start-up timeout run out (no wall-clock bound)
+    assert "before becoming ready" in str(info.value) and "not ready after" not in str(info.value)
     assert "TYPE_NOT_A_TYPE" in str(info.value)
 
 
