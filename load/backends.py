@@ -9,6 +9,7 @@ Greedy decoding with ``ignore_eos`` so output lengths are the workload's, whatev
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import pathlib
 import time
@@ -69,27 +70,36 @@ class ShimBackend(Backend):
         self._http = None
 
     async def start(self) -> None:
-        import httpx
+        # aiohttp, not httpx: the client shares the two cores with the stack it measures, and
+        # httpx's streaming (httpcore over anyio) spent several times aiohttp's CPU per SSE line.
+        import aiohttp
 
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        self._http = httpx.AsyncClient(headers=headers, timeout=self.timeout,
-                                       limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
-        r = await self._http.get(f"{self.base_url}/models")
-        r.raise_for_status()
-        self.model = r.json()["data"][0]["id"]
+        self._http = aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=self.timeout),
+                                           connector=aiohttp.TCPConnector(limit=1024))
+        async with self._http.get(f"{self.base_url}/models") as r:
+            r.raise_for_status()
+            self.model = (await r.json())["data"][0]["id"]
 
     async def close(self) -> None:
         if self._http is not None:
-            await self._http.aclose()
+            await self._http.close()
+
+    async def sse_lines(self, path: str, body: dict) -> AsyncIterator[str]:
+        """POST ``body`` to ``path`` and yield the response's lines (without line ends); close it with
+        ``contextlib.aclosing`` so that a stream stopped early hangs up at once (a cancel)."""
+        async with self._http.post(f"{self.base_url}{path}", json=body) as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"HTTP {resp.status}: {(await resp.read())[:300]!r}")
+            async for raw in resp.content:
+                yield raw.decode().rstrip("\r\n")
 
     async def stream(self, request_id, messages, max_tokens):
         body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "stream": True,
                 "stream_options": {"include_usage": True}, "temperature": 0, "ignore_eos": True,
                 "user": request_id}
-        async with self._http.stream("POST", f"{self.base_url}/chat/completions", json=body) as resp:
-            if resp.status_code != 200:
-                raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
-            async for line in resp.aiter_lines():
+        async with contextlib.aclosing(self.sse_lines("/chat/completions", body)) as lines:
+            async for line in lines:
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()
@@ -113,10 +123,8 @@ class CompletionsBackend(ShimBackend):
 
     async def stream(self, request_id, messages, max_tokens):
         body = completion_body(self.model, messages, max_tokens)
-        async with self._http.stream("POST", f"{self.base_url}/completions", json=body) as resp:
-            if resp.status_code != 200:
-                raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
-            async for line in resp.aiter_lines():
+        async with contextlib.aclosing(self.sse_lines("/completions", body)) as lines:
+            async for line in lines:
                 piece = parse_completion_line(line)
                 if piece is None:
                     continue
