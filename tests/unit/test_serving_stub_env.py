@@ -1,14 +1,17 @@
-"""The environment tritonserver (and so the engine stub) starts with: OpenMP waits passively unless
-the caller chose otherwise (backend/serving/tritonserver.py STUB_ENV_DEFAULTS)."""
+"""The environment tritonserver (and so the engine stub) starts with: OpenMP waits passively and the
+engine thread asks for a high priority, unless the caller chose otherwise
+(backend/serving/tritonserver.py STUB_ENV_DEFAULTS)."""
 from backend.serving.tritonserver import STUB_ENV_DEFAULTS, stub_env
 
 
-def test_openmp_threads_wait_passively_by_default():
+def test_openmp_threads_wait_passively_and_the_engine_thread_asks_for_priority_by_default():
     env = stub_env({"PATH": "/usr/bin"})
     assert env["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert int(env["TRITON_LLM_ENGINE_NICE"]) < 0
     assert env["PATH"] == "/usr/bin"
 
 
 def test_the_callers_setting_wins():
-    assert stub_env({"OMP_WAIT_POLICY": "ACTIVE"})["OMP_WAIT_POLICY"] == "ACTIVE"
-    assert set(STUB_ENV_DEFAULTS) == {"OMP_WAIT_POLICY"}
+    assert set(STUB_ENV_DEFAULTS) == {"OMP_WAIT_POLICY", "TRITON_LLM_ENGINE_NICE"}
+    env = stub_env({"OMP_WAIT_POLICY": "ACTIVE", "TRITON_LLM_ENGINE_NICE": "0"})
+    assert env["OMP_WAIT_POLICY"] == "ACTIVE" and env["TRITON_LLM_ENGINE_NICE"] == "0"
