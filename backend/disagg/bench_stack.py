@@ -31,7 +31,8 @@ A/Bs decode-process settings in one run, e.g. ``isolate,isolate+cancel=1.0`` (se
 ``&``, e.g. ``isolate+metrics=0&offcore=llm-responses``): ``si`` (GIL switch
 interval, s), ``cancel`` (the response thread's is_cancelled() period, s), ``nice`` (the step
 thread's nice), ``senders`` (the response thread's sender threads for requests opened from then on, 0 = it sends
-inline; backend/serving/response_thread.py; ``sendoff=1``: those threads on the other cpus), ``async`` (hand-overs of at least this many blocks are placed off the step; 8 by
+inline; backend/serving/response_thread.py; run Q's ``sendoff=1``, the senders on the other cpus, was
+removed after that run: it reproduces at commit ``f7535dc``), ``async`` (hand-overs of at least this many blocks are placed off the step; 8 by
 default, ``isolate+async=100000``: every KV fetch and write inside the step, as before). (Run P3's
 ``yield`` knob was removed after that run: it hooked the response thread's private methods.) A layout
 without knobs gets the stub's own settings (``DEFAULT_KNOBS``). This client's heap is frozen after start-up (``--client-gc``): its own full
@@ -145,11 +146,9 @@ async def run_phase(client, a, seed: int, tag: str = "") -> dict:
 
 # what a layout without +knobs gets: the engine stub's switch interval, the roles' own cancel-check period
 DEFAULT_KNOBS = {"switch_interval": STUB_SWITCH_INTERVAL_S, "cancel_check_interval": 1.0, "admit_async_min_blocks": 8,
-                 "metrics_ipc": 1, "offcore": "none", "response_senders": default_senders(),
-                 "senders_offcore": 0}
+                 "metrics_ipc": 1, "offcore": "none", "response_senders": default_senders()}
 KNOB_ALIASES = {"si": "switch_interval", "nice": "step_nice", "cancel": "cancel_check_interval",
-                "async": "admit_async_min_blocks", "metrics": "metrics_ipc", "senders": "response_senders",
-                "sendoff": "senders_offcore"}
+                "async": "admit_async_min_blocks", "metrics": "metrics_ipc", "senders": "response_senders"}
 
 
 async def warm_up(client) -> None:

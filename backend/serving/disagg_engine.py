@@ -141,10 +141,6 @@ def apply_knobs(knobs: dict) -> None:
             rt = getattr(getattr(t, "_target", None), "__self__", None)
             if t.name == "llm-responses" and hasattr(rt, "senders"):
                 rt.senders = max(0, int(knobs["response_senders"]))
-                # A/B: the senders (mostly waiting on IPC) on the other cpus, off the engine's core
-                mine = os.sched_getaffinity(0)
-                off = int(knobs.get("senders_offcore", 0))
-                rt.place_senders((set(range(os.cpu_count() or 1)) - mine or mine) if off else None)
     if "metrics_ipc" in knobs:                  # A/B only: 0 = no metric IPC from this stub (see _mute_metrics)
         _mute_metrics(not int(knobs["metrics_ipc"]))
     if "offcore" in knobs:                      # A/B only: these threads (OS names, '/') off the engine's cpus

@@ -115,9 +115,7 @@ def _send_one(h: RequestHandle, outputs: dict | None, error: EngineError | None,
 class _Sender:
     """One sender thread: makes the queued sends of the requests assigned to it, in order."""
 
-    def __init__(self, name: str, failed: Callable[[RequestHandle, bool], None],
-                 cpus: set[int] | None = None) -> None:
-        self.cpus = cpus
+    def __init__(self, name: str, failed: Callable[[RequestHandle, bool], None]) -> None:
         self.q: queue.SimpleQueue = queue.SimpleQueue()
         self.load = 0                       # open requests assigned (response thread only)
         self._failed = failed
@@ -126,11 +124,6 @@ class _Sender:
 
     def _run(self) -> None:
         _name_os_thread()
-        if self.cpus:
-            try:
-                os.sched_setaffinity(0, self.cpus)
-            except OSError:
-                pass
         while True:
             item = self.q.get()
             if item is None:
@@ -187,7 +180,6 @@ class ResponseThread:
         self.senders = default_senders() if senders is None else max(0, senders)
         self._senders: list[_Sender] = []
         self._sender_of: dict[RequestHandle, _Sender] = {}
-        self.sender_cpus: set[int] | None = None    # None: the senders run where this thread runs
         self._use_senders = False           # started and not closed: sends go to the senders
         self._thread = threading.Thread(target=self.run, name="llm-responses", daemon=True)
 
@@ -198,17 +190,6 @@ class ResponseThread:
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()
-
-    def place_senders(self, cpus: set[int] | None) -> None:
-        """Run the sender threads (those running and those started later) on ``cpus``; None: on
-        this thread's cpus. A/B only (backend/serving/disagg_engine.py ``apply_knobs``)."""
-        self.sender_cpus = cpus
-        for s in list(self._senders):
-            s.cpus = cpus
-            try:
-                os.sched_setaffinity(s.thread.native_id, cpus or os.sched_getaffinity(self._thread.native_id))
-            except (OSError, TypeError):
-                pass
 
     def post(self, msg: Message) -> None:
         """Queue a message; once closed, answer it here (under the lock, one caller at a time)."""
@@ -489,8 +470,7 @@ class ResponseThread:
         s = self._sender_of.get(h)
         if s is None and self._use_senders and self.senders > 0:
             while len(self._senders) < self.senders:
-                self._senders.append(_Sender(f"llm-send-{len(self._senders)}", self._send_failed,
-                                             self.sender_cpus))
+                self._senders.append(_Sender(f"llm-send-{len(self._senders)}", self._send_failed))
             s = min(self._senders[:self.senders], key=lambda x: x.load)
             s.load += 1
             self._sender_of[h] = s
