@@ -71,18 +71,23 @@ class _Open:
 ENGINE_NICE_ENV = "TRITON_LLM_ENGINE_NICE"
 
 
+def set_thread_nice(value: int | str) -> None:
+    """The calling thread's nice value. Best effort: without the privilege to lower it, the thread
+    keeps its value."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), int(value))
+    except (OSError, ValueError) as exc:
+        log.debug("thread nice %s not applied: %s", value, exc)
+
+
 def _apply_engine_nice() -> None:
     """On the engine thread: its nice value from ``TRITON_LLM_ENGINE_NICE`` when set (the engine
     stub's default, backend/serving/tritonserver.py: the serving stack's other processes then
     preempt the step's pool worker, whose chunks the engine thread takes over, instead of the engine
-    thread itself). Best effort: without the privilege to lower it, the thread keeps its value."""
+    thread itself)."""
     value = os.environ.get(ENGINE_NICE_ENV)
-    if not value:
-        return
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), int(value))
-    except (OSError, ValueError) as exc:
-        log.debug("engine thread nice %s not applied: %s", value, exc)
+    if value:
+        set_thread_nice(value)
 
 
 class EngineLoop:

@@ -41,7 +41,7 @@ from backend.disagg.handover import Handover
 from backend.disagg.prefill import PrefillRole
 from backend.disagg.trace import StepTrace
 from backend.engine.admission import duplicate_id
-from backend.engine.engine_loop import EngineLoop
+from backend.engine.engine_loop import EngineLoop, set_thread_nice
 from backend.errors import invalid_request
 from backend.outputs import StepDelta
 
@@ -161,10 +161,7 @@ def apply_knobs(knobs: dict) -> None:
                     pass
         _OFFCORE_SEEN.update(names)
     if "step_nice" in knobs:                    # this (the engine) thread's nice value
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), int(knobs["step_nice"]))
-        except OSError:
-            pass
+        set_thread_nice(knobs["step_nice"])
     log.warning("decode knobs now %s (switch interval %.4f s)", knobs, sys.getswitchinterval())
 
 
