@@ -32,6 +32,7 @@ import subprocess
 import sys
 import time
 
+from backend.serving.process_group import scoped_environ
 from backend.serving.repository import POSTPROCESSING_STEP_ENV
 from load.backends import EngineBackend, GrpcBackend, ShimBackend
 from load.bench import bench_point, warm_up
@@ -178,33 +179,24 @@ class Contender:
         self.stack = self.be = None
 
     async def open(self) -> "Contender":
-        saved = {k: os.environ.get(k) for k in (POSTPROCESSING_STEP_ENV, *self.env)}  # read at start
-        if self.name.endswith("-post"):
-            os.environ[POSTPROCESSING_STEP_ENV] = "1"
-        else:
-            os.environ.pop(POSTPROCESSING_STEP_ENV, None)
-        os.environ.update(self.env)
-        try:
-            name, model, opts, http = self.name, self.model, self.opts, self.name.startswith("http")
-            if name == "engine":
-                self.be = EngineBackend(resolve_model(model), opts)
-            else:
-                stack = (TreeStack(self.tree, str(resolve_model(model)), opts, shim=http)
-                         if self.tree is not None else Stack(resolve_model(model), opts, shim=http))
-                self.stack = stack.__enter__()
-                self.be = (ShimBackend(stack.shim_url, metrics_url=stack.metrics_url) if http
-                           else GrpcBackend(stack.grpc_url, metrics_url=stack.metrics_url))
-            await self.be.start()
-            await warm_up(self.be, 4)
-        except BaseException:
-            await self.close()
-            raise
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
+        # read when the stack starts (the repository is generated, the processes spawned)
+        env = {POSTPROCESSING_STEP_ENV: "1" if self.name.endswith("-post") else None, **self.env}
+        with scoped_environ(env):
+            try:
+                name, model, opts, http = self.name, self.model, self.opts, self.name.startswith("http")
+                if name == "engine":
+                    self.be = EngineBackend(resolve_model(model), opts)
                 else:
-                    os.environ[k] = v
+                    stack = (TreeStack(self.tree, str(resolve_model(model)), opts, shim=http)
+                             if self.tree is not None else Stack(resolve_model(model), opts, shim=http))
+                    self.stack = stack.__enter__()
+                    self.be = (ShimBackend(stack.shim_url, metrics_url=stack.metrics_url) if http
+                               else GrpcBackend(stack.grpc_url, metrics_url=stack.metrics_url))
+                await self.be.start()
+                await warm_up(self.be, 4)
+            except BaseException:
+                await self.close()
+                raise
         return self
 
     async def close(self) -> None:

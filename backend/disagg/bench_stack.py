@@ -55,6 +55,7 @@ import statistics
 import time
 
 from backend.serving.disagg_serve import LAYOUTS, DisaggServers, pin_tree, sched_tree
+from backend.serving.process_group import scoped_environ
 from backend.serving.engine_service import STUB_SWITCH_INTERVAL_S
 from backend.serving.response_thread import default_senders
 from backend.serving.tritonserver import TritonServer
@@ -273,13 +274,8 @@ def main() -> None:
 
     def start(server) -> None:
         """Start ``server`` with its env.NAME=VALUE options in its (tritonserver's, stubs') environment."""
-        saved = {k: os.environ.get(k) for k in envs[id(server)]}
-        os.environ.update(envs[id(server)])
-        try:
+        with scoped_environ(envs[id(server)]):
             server.start()
-        finally:
-            for k, v in saved.items():
-                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
     try:
         for unified in unifieds.values():

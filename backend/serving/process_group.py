@@ -6,6 +6,7 @@ when the starting process dies (Linux ``PR_SET_PDEATHSIG``), so a killed test ru
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import signal
@@ -42,6 +43,26 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except Exception:
         pass
+
+
+def _set_environ(env: dict[str, str | None]) -> None:
+    for k, v in env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@contextlib.contextmanager
+def scoped_environ(overrides: dict[str, str | None]):
+    """``os.environ`` with ``overrides`` (None: unset) while the block runs, as it was after: the
+    environment that servers started in the block (tritonserver and its stubs, the shim) inherit."""
+    saved = {k: os.environ.get(k) for k in overrides}
+    _set_environ(overrides)
+    try:
+        yield
+    finally:
+        _set_environ(saved)
 
 
 def spawn(cmd: list[str], log_path: pathlib.Path, *, cwd: str | os.PathLike,
