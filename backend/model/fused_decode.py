@@ -31,9 +31,9 @@ count never changes the bits (tests/unit/test_model_fused_decode.py
 
 Threads: the step's parallel loops run on the C library's own worker pool (a caller that does not
 wait for a worker that has not started, docs/kernels.md; ``TRITON_LLM_STEP_POOL=0``: OpenMP
-regions), with ``torch.get_num_threads()`` threads, or, with ``TRITON_LLM_STEP_THREADS=auto``, a
-per-step count that :class:`ThreadChooser` picks from measured step times (1 or the cap, per step
-size).
+regions), with ``torch.get_num_threads()`` threads. (A per-step thread count chosen from measured
+step times, ``TRITON_LLM_STEP_THREADS=auto``, gained nothing and was removed: docs/benchmarks.md,
+sixth round.)
 """
 from __future__ import annotations
 
@@ -41,7 +41,6 @@ import ctypes
 import logging
 import os
 import pathlib
-import time
 
 import torch
 
@@ -129,56 +128,6 @@ def _f32(t: torch.Tensor | None) -> bool:
     return t is None or (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous())
 
 
-class ThreadChooser:
-    """The thread count of each fused step, from measurement: per step-size bucket (new tokens,
-    powers of two) an exponentially weighted mean of the wall time per token with one thread and
-    with the cap, each tried WARM times first; then the faster one, with the other tried again
-    every EXPLORE_CLOSE steps of the bucket while the two are within FAR of each other, every
-    EXPLORE_FAR steps when one is clearly faster (conditions change: the serving stack's other
-    processes take a core in bursts). The choice never changes outputs (module docstring)."""
-
-    WARM = 3
-    ALPHA = 0.2
-    FAR = 1.25
-    EXPLORE_CLOSE = 16
-    EXPLORE_FAR = 128
-
-    def __init__(self) -> None:
-        self._buckets: dict[int, dict] = {}
-
-    def pick(self, tokens: int, cap: int) -> int:
-        if cap <= 1:
-            return cap
-        b = self._buckets.setdefault(tokens.bit_length(), {"mean": {}, "count": {}, "steps": 0})
-        b["steps"] += 1
-        for nt in (cap, 1):
-            if b["count"].get(nt, 0) < self.WARM:
-                return nt
-        best, other = (1, cap) if b["mean"][1] <= b["mean"][cap] else (cap, 1)
-        every = self.EXPLORE_FAR if b["mean"][other] > self.FAR * b["mean"][best] else self.EXPLORE_CLOSE
-        return other if b["steps"] % every == 0 else best
-
-    def record(self, tokens: int, nt: int, seconds: float) -> None:
-        b = self._buckets.get(tokens.bit_length())
-        if b is None:
-            return
-        per_token = seconds / max(tokens, 1)
-        n = b["count"].get(nt, 0)
-        b["mean"][nt] = per_token if n == 0 else (1 - self.ALPHA) * b["mean"][nt] + self.ALPHA * per_token
-        b["count"][nt] = n + 1
-
-    def choice(self, tokens: int, cap: int) -> int | None:
-        """The count this bucket uses now (None while it is still warming up), for tools and tests."""
-        b = self._buckets.get(tokens.bit_length())
-        if b is None or any(b["count"].get(nt, 0) < self.WARM for nt in (1, cap)):
-            return None
-        return 1 if b["mean"][1] <= b["mean"][cap] else cap
-
-
-def adaptive_threads() -> bool:
-    return os.environ.get("TRITON_LLM_STEP_THREADS", "").lower() == "auto"
-
-
 class FusedDecoder:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  block_size: int, lib):
@@ -234,7 +183,6 @@ class FusedDecoder:
         self._vocab = cfg.vocab_size
         self._scratch = torch.empty(0)
         self.max_tokens = max_tokens()
-        self.threads = ThreadChooser() if adaptive_threads() else None
 
     def accepts(self, num_tokens: int, num_seqs: int) -> bool:
         """Every all-decode step (each sequence brings one token); a step with prefill chunks
@@ -270,15 +218,10 @@ class FusedDecoder:
             if m <= KEEP_ROWS:          # a long prompt's scratch (~32 KB per token on SmolLM2) is not kept
                 self._scratch = scratch
         logits = torch.empty(rows.shape[0], self._vocab, dtype=torch.float32)
-        cap = torch.get_num_threads()
-        nt = cap if self.threads is None else self.threads.pick(m, cap)
-        t0 = time.perf_counter()
         rc = self._lib.step_forward(ctypes.byref(self._struct), m, nseqs, ids.data_ptr(), pos.data_ptr(),
                                     slots.data_ptr(), cu.data_ptr(), ctx.data_ptr(), tables.data_ptr(),
                                     tables.shape[1], rows.shape[0], rows.data_ptr(), scratch.data_ptr(),
-                                    logits.data_ptr(), nt)
-        if self.threads is not None:
-            self.threads.record(m, nt, time.perf_counter() - t0)
+                                    logits.data_ptr(), torch.get_num_threads())
         if rc == -2:
             raise ValueError("fused step: a token id, position, logits row or sequence layout is out of range")
         if rc != 0:
