@@ -36,15 +36,21 @@ engine's responses directly, without a postprocessing model call per token. Only
 caller requested are built. A detokenization failure ends that request with an internal error.
 
 Gathering: with a hold interval (``stream_interval``, or ``busy_stream_interval`` while at least
-``busy_streams`` requests are open, scaled by how many are: ``hold_interval``) a choice's mid-stream delta that comes less than the interval
-after the choice's last send is held and merged with the next ones (``coalesce.merge_deltas``: the
-same tokens and text), so one response (one ``send`` IPC, one ensemble hop, one gRPC message, one
-SSE chunk) carries several steps' tokens. Each choice has its own clock, so steps slower than the
-interval are never held (nothing to gather), and a held token waits at most the interval: the first
-delta that comes an interval after the last send takes it along (sends stay on step boundaries),
-else the thread wakes up at its deadline (the steps stalled). Never held: a choice's first
-token, finals (a held delta goes with them), errors (the held tokens go first), a cancelled
-request's tokens (dropped, as before).
+``busy_streams`` requests are open, scaled by how many are: ``hold_interval``) a choice's mid-stream
+delta that comes less than the interval after the choice's last send is held and merged with the
+next ones (``coalesce.merge_deltas``: the same tokens and text), so one response (one ``send`` IPC,
+one ensemble hop, one gRPC message, one SSE chunk) carries several steps' tokens. Each choice has
+its own clock, and a held token waits at most its choice's interval: the first delta that comes an
+interval after the last send takes it along (sends stay on step boundaries), else the thread wakes
+up at its deadline (the steps stalled). With an explicit ``stream_interval`` steps slower than the
+interval are never held. The busy hold also follows the steps: it is at least ``BUSY_GAP_FACTOR``
+times the choice's own recent gap between deltas (an average over its last few steps), up to
+``BUSY_HOLD_MAX``, so while many streams are open a response carries at least two steps' tokens
+even when a step is as long as the hold or longer (a 32-stream step of a larger model on a small
+CPU: ~0.1-0.2 s), and responses per second stay about half the steps' rate instead of one per token;
+a token then waits at most about one step more. Never held: a choice's first token, finals (a held
+delta goes with them), errors (the held tokens go first), a cancelled request's tokens (dropped,
+as before).
 """
 from __future__ import annotations
 
@@ -76,6 +82,9 @@ CANCEL_CHECK_INTERVAL = 0.02    # s; at the 16-stream goal rate (~20 ms a token)
 ENSEMBLE_CANCEL_CHECK = 1.0     # s; steps of the llm ensemble (Triton does not tell them about cancels)
 BUSY_STREAMS = 16               # open requests from which busy_stream_interval gathers tokens
 BUSY_SCALE_MAX = 2.0            # the busy hold grows with the open streams up to this factor
+BUSY_GAP_FACTOR = 1.5           # the busy hold is at least this many of the choice's gaps between deltas
+BUSY_HOLD_MAX = 0.3             # s; ... up to this (a held token waits at most this long then)
+GAP_WEIGHT = 0.3                # weight of the newest gap in a choice's average gap between deltas
 DUE_SLACK = 0.001               # s; held deltas due this soon go with the ones due now (one wake-up)
 SENDERS = 0                     # sender threads (0: this thread sends inline); TRITON_LLM_RESPONSE_SENDERS
 SENDER_JOIN_S = 5.0             # s; at close, how long to wait for each sender to send what it has
@@ -86,6 +95,22 @@ def default_senders() -> int:
         return max(0, int(os.environ.get("TRITON_LLM_RESPONSE_SENDERS", SENDERS)))
     except ValueError:
         return SENDERS
+
+
+class _Pace:
+    """When a choice's last delta came and the average gap between its deltas (0: not known yet)."""
+    __slots__ = ("last", "gap")
+
+    def __init__(self, last: float) -> None:
+        self.last = last
+        self.gap = 0.0
+
+    def arrived(self, now: float) -> float:
+        """Note a delta that came ``now``; returns the average gap so far."""
+        gap = now - self.last
+        self.last = now
+        self.gap = gap if self.gap == 0.0 else self.gap + GAP_WEIGHT * (gap - self.gap)
+        return self.gap
 
 
 @dataclass(slots=True)
@@ -166,6 +191,7 @@ class ResponseThread:
         self.busy_stream_interval = busy_stream_interval
         self.busy_streams = busy_streams
         self._holding: dict[RequestHandle, None] = {}   # requests with held deltas (ordered set)
+        self._pace: dict[RequestHandle, dict[int, _Pace]] = {}  # streams: each choice's delta pace
         self.sweep_interval = sweep_interval
         self.cancel_check_interval = cancel_check_interval
         self.ensemble_cancel_interval = ensemble_cancel_interval
@@ -256,11 +282,13 @@ class ResponseThread:
             except queue.Empty:
                 return
 
-    def hold_interval(self) -> float:
+    def hold_interval(self, gap: float = 0.0) -> float:
         """How long a choice's mid-stream tokens may wait to be gathered: ``stream_interval`` if
-        set, else ``busy_stream_interval`` times (open requests / ``busy_streams``, at most
-        BUSY_SCALE_MAX) while at least ``busy_streams`` requests are open (many streams: each
-        response's IPC and downstream work is worth sharing between steps), else 0."""
+        set, else, while at least ``busy_streams`` requests are open (many streams: each
+        response's IPC and downstream work is worth sharing between steps), the larger of
+        ``busy_stream_interval`` times (open requests / ``busy_streams``, at most BUSY_SCALE_MAX)
+        and BUSY_GAP_FACTOR times ``gap``, the choice's average gap between deltas (up to
+        BUSY_HOLD_MAX), else 0."""
         if self.stream_interval > 0:
             return self.stream_interval
         n = len(self._open)
@@ -269,7 +297,11 @@ class ResponseThread:
             # stay about busy_streams / busy_stream_interval however many streams are open, so
             # the stack's CPU per response (send IPC, ensemble hop, gRPC, shim) stops growing
             # with the load; with the defaults 0.05 s at 16 streams, 0.1 s from 32.
-            return self.busy_stream_interval * min(n / self.busy_streams, BUSY_SCALE_MAX)
+            hold = self.busy_stream_interval * min(n / self.busy_streams, BUSY_SCALE_MAX)
+            # Steps as long as that or longer (bench-110m / SmolLM2 at 32 streams on 2 cores:
+            # ~0.1-0.15 s) would make every token its own response: hold across the next step
+            # too, so a response carries two steps' tokens and the responses per second halve.
+            return max(hold, min(BUSY_GAP_FACTOR * gap, BUSY_HOLD_MAX))
         return 0.0
 
     def _next_due(self) -> float:
@@ -359,7 +391,7 @@ class ResponseThread:
                 else:
                     d, due = merged, held.due
         if not d.finished and h.stream:
-            interval = self.hold_interval()
+            interval = self.hold_interval(self._arrived(h, d.index, now))
             if interval > 0:
                 sent = h.last_token.get(d.index)
                 if sent is not None and now - sent < interval:      # not a first token: hold it
@@ -367,6 +399,17 @@ class ResponseThread:
                     self._holding[h] = None
                     return
         self._send(h, d, now, last)
+
+    def _arrived(self, h: RequestHandle, index: int, now: float) -> float:
+        """Note a streamed choice's mid-stream delta; returns its average gap between deltas (0: first)."""
+        choices = self._pace.get(h)
+        if choices is None:
+            choices = self._pace[h] = {}
+        pace = choices.get(index)
+        if pace is None:
+            choices[index] = _Pace(now)
+            return 0.0
+        return pace.arrived(now)
 
     def _send(self, h: RequestHandle, d: StepDelta, now: float, last: bool) -> None:
         """Detokenize, build and send one delta's response (FINAL with the last choice's final)."""
@@ -458,6 +501,7 @@ class ResponseThread:
     def _done(self, h: RequestHandle) -> None:
         h.done = True
         self._drop_held(h)
+        self._pace.pop(h, None)
         self._open.pop(h, None)
         s = self._sender_of.pop(h, None)
         if s is not None:
