@@ -45,10 +45,10 @@ interval after the last send takes it along (sends stay on step boundaries), els
 up at its deadline (the steps stalled). With an explicit ``stream_interval`` steps slower than the
 interval are never held. The busy hold also follows the steps: it is at least ``BUSY_GAP_FACTOR``
 times the choice's own recent gap between deltas (an average over its last few steps), up to
-``BUSY_HOLD_MAX``, so while many streams are open a response carries at least two steps' tokens
-even when a step is as long as the hold or longer (a 32-stream step of a larger model on a small
-CPU: ~0.1-0.2 s), and responses per second stay about half the steps' rate instead of one per token;
-a token then waits at most about one step more. Never held: a choice's first token, finals (a held
+``BUSY_HOLD_MAX``, so while many streams are open a response carries about three steps' tokens
+(two when the cap cuts in) even when a step is as long as the hold or longer (a 32-stream step of
+a larger model on a small CPU: ~0.07-0.15 s), and the responses per second stay a third of the
+steps' rate instead of one per token; a token then waits at most about two steps more. Never held: a choice's first token, finals (a held
 delta goes with them), errors (the held tokens go first), a cancelled request's tokens (dropped,
 as before).
 """
@@ -82,7 +82,7 @@ CANCEL_CHECK_INTERVAL = 0.02    # s; at the 16-stream goal rate (~20 ms a token)
 ENSEMBLE_CANCEL_CHECK = 1.0     # s; steps of the llm ensemble (Triton does not tell them about cancels)
 BUSY_STREAMS = 16               # open requests from which busy_stream_interval gathers tokens
 BUSY_SCALE_MAX = 2.0            # the busy hold grows with the open streams up to this factor
-BUSY_GAP_FACTOR = 1.5           # the busy hold is at least this many of the choice's gaps between deltas
+BUSY_GAP_FACTOR = 2.5           # the busy hold is at least this many of the choice's gaps between deltas (3 steps a response)
 BUSY_HOLD_MAX = 0.3             # s; ... up to this (a held token waits at most this long then)
 GAP_WEIGHT = 0.3                # weight of the newest gap in a choice's average gap between deltas
 DUE_SLACK = 0.001               # s; held deltas due this soon go with the ones due now (one wake-up)
@@ -298,9 +298,10 @@ class ResponseThread:
             # the stack's CPU per response (send IPC, ensemble hop, gRPC, shim) stops growing
             # with the load; with the defaults 0.05 s at 16 streams, 0.1 s from 32.
             hold = self.busy_stream_interval * min(n / self.busy_streams, BUSY_SCALE_MAX)
-            # Steps as long as that or longer (bench-110m / SmolLM2 at 32 streams on 2 cores:
-            # ~0.1-0.15 s) would make every token its own response: hold across the next step
-            # too, so a response carries two steps' tokens and the responses per second halve.
+            # Steps nearly as long as that or longer (bench-110m / SmolLM2 at 32 streams on 2
+            # cores: ~0.07-0.15 s) would make (nearly) every token its own response: hold across
+            # the next two steps, so a response carries three steps' tokens (a third of the
+            # responses: each costs ~1-2 ms of CPU across the stub, tritonserver, shim, client).
             return max(hold, min(BUSY_GAP_FACTOR * gap, BUSY_HOLD_MAX))
         return 0.0
 

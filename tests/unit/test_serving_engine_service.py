@@ -537,10 +537,11 @@ def test_busy_hold_grows_with_the_open_streams_up_to_twice(clock):
         holds.append(svc.responses.hold_interval())
     assert holds == pytest.approx([0.0, 0.05, 0.075, 0.1, 0.1, 0.1])
     emit(svc, "r0", delta("r0", [1]))                     # a first token: sent
-    emit(svc, "r0", delta("r0", [2]), dt=0.06)            # 0.06 s after it: held at 6 open (0.1 s)
+    emit(svc, "r0", delta("r0", [2]), dt=0.04)            # steps 40 ms apart (2.5 gaps: 0.1 s)
+    emit(svc, "r0", delta("r0", [3]), dt=0.04)            # 0.08 s after it: held at 6 open (0.1 s)
     assert responders[0].ids() == [[1]]
-    emit(svc, "r0", delta("r0", [3]), dt=0.05)            # 0.11 s after the last send: both go
-    assert responders[0].ids() == [[1], [2, 3]]
+    emit(svc, "r0", delta("r0", [4]), dt=0.04)            # 0.12 s after the last send: all go
+    assert responders[0].ids() == [[1], [2, 3, 4]]
 
 
 def busy_service(clock, streams=32):
@@ -562,33 +563,34 @@ def run_steps(svc, rs, tokens, every, last_final=False):
         step(svc, every)
 
 
-def test_busy_hold_gathers_two_steps_when_steps_are_as_slow_as_the_hold(clock):
-    """At 32 streams the busy hold is 0.1 s; steps of 0.12 s would make every token its own
-    response, so a choice's hold follows its own pace (1.5 gaps): every response after the first
-    token carries two steps' tokens, the stream's last tokens go with its final."""
+def test_busy_hold_gathers_three_steps_when_steps_are_as_slow_as_the_hold(clock):
+    """At 32 streams the busy hold is 0.1 s; steps of 0.11 s would make every token its own
+    response, so a choice's hold follows its own pace (BUSY_GAP_FACTOR = 2.5 gaps: 0.275 s):
+    every response after the first token carries three steps' tokens, the stream's last tokens
+    go with its final."""
     svc, q, rs = busy_service(clock)
-    run_steps(svc, rs, range(1, 10), 0.12, last_final=True)
+    run_steps(svc, rs, range(1, 12), 0.11, last_final=True)
     for r in rs.values():
-        assert r.ids() == [[1], [2, 3], [4, 5], [6, 7], [8, 9]] and r.finals == 1
-    assert sum(len(r.sent) for r in rs.values()) == 32 * 5            # token by token: 32 * 9
+        assert r.ids() == [[1], [2, 3, 4], [5, 6, 7], [8, 9, 10], [11]] and r.finals == 1
+    assert sum(len(r.sent) for r in rs.values()) == 32 * 5            # token by token: 32 * 11
     assert q.waits == [] and svc.responses._holding == {} and svc.responses._pace == {}
 
 
 def test_busy_step_hold_is_per_choice_and_waits_at_most_its_due_time(clock):
     svc, q, rs = busy_service(clock)
-    run_steps(svc, {"r0": 0}, [1, 2], 0.12)           # r0 steps every 0.12 s: its token 2 is held
+    run_steps(svc, {"r0": 0}, [1, 2], 0.11)           # r0 steps every 0.11 s: its token 2 is held
     run_steps(svc, {"r1": 0}, [1, 2], 0.001)          # r1 fast: 0.1 s hold, its token 2 held too
     assert rs["r0"].ids() == [[1]] and rs["r1"].ids() == [[1]]
     assert svc.responses.step(SWEEP)                  # the steps stall: r1's token is due first
     assert rs["r1"].ids() == [[1], [2]] and rs["r0"].ids() == [[1]]
-    assert svc.responses.step(1.0)                    # then r0's, 1.5 * 0.12 s after it came
+    assert svc.responses.step(1.0)                    # then r0's, 2.5 * 0.11 s after it came
     assert rs["r0"].ids() == [[1], [2]]
-    assert q.waits == [0.1, 0.078]                   # r1: 0.1 s after it came; r0: 0.18 s after
+    assert q.waits == [0.1, 0.173]                    # r1: 0.1 s after it came; r0: 0.275 s after
 
 
 def test_busy_step_hold_leaves_fast_steps_and_few_streams_as_they_were(clock):
     svc, q, rs = busy_service(clock)
-    run_steps(svc, rs, range(1, 10), 0.03)            # 1.5 gaps = 45 ms < the 0.1 s hold
+    run_steps(svc, rs, range(1, 10), 0.03)            # 2.5 gaps = 75 ms < the 0.1 s hold
     for r in rs.values():
         assert r.ids() == [[1], [2, 3, 4, 5], [6, 7, 8, 9]]
     svc2, _, rs2 = busy_service(clock, streams=15)    # below busy_streams: never held
@@ -598,8 +600,8 @@ def test_busy_step_hold_leaves_fast_steps_and_few_streams_as_they_were(clock):
 
 
 def test_busy_step_hold_is_capped(clock):
-    """Steps of 0.25 s: the hold is BUSY_HOLD_MAX (0.3 s), not 1.5 gaps, so pairs still; steps
-    of 0.35 s: longer than the cap, every token goes alone."""
+    """Steps of 0.25 s: the hold is BUSY_HOLD_MAX (0.3 s), not 2.5 gaps, so pairs; steps of
+    0.35 s: longer than the cap, every token goes alone."""
     from backend.serving.response_thread import BUSY_HOLD_MAX
     assert BUSY_HOLD_MAX == 0.3
     svc, q, rs = busy_service(clock)
