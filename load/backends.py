@@ -18,6 +18,8 @@ from typing import AsyncIterator
 
 from load.counters import scrape_counters
 
+KEEPALIVE_S = 2.0           # s; idle HTTP connections kept for reuse (the shim's uvicorn closes them at 5 s)
+
 
 @dataclass
 class Piece:
@@ -75,8 +77,12 @@ class ShimBackend(Backend):
         import aiohttp
 
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        # keepalive_timeout under uvicorn's 5 s: aiohttp keeps an idle connection 15 s by default,
+        # so a round that starts ~5 s after a stream's connection went idle (--keep-up: the same
+        # contender back to back) could reuse one the shim is closing that instant, a request lost
+        # as "Server disconnected" (seen once in 96 bench-110m requests).
         self._http = aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=self.timeout),
-                                           connector=aiohttp.TCPConnector(limit=1024))
+                                           connector=aiohttp.TCPConnector(limit=1024, keepalive_timeout=KEEPALIVE_S))
         async with self._http.get(f"{self.base_url}/models") as r:
             r.raise_for_status()
             self.model = (await r.json())["data"][0]["id"]
