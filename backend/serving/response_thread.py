@@ -48,9 +48,9 @@ times the choice's own recent gap between deltas (an average over its last few s
 ``BUSY_HOLD_MAX``, so while many streams are open a response carries about three steps' tokens
 (two when the cap cuts in) even when a step is as long as the hold or longer (a 32-stream step of
 a larger model on a small CPU: ~0.07-0.15 s), and the responses per second stay a third of the
-steps' rate instead of one per token; a token then waits at most about two steps more. Never held: a choice's first token, finals (a held
-delta goes with them), errors (the held tokens go first), a cancelled request's tokens (dropped,
-as before).
+steps' rate instead of one per token; a token then waits at most about two steps more. Never held:
+a choice's first token, finals (a held delta goes with them), errors (the held tokens go first), a
+cancelled request's tokens (dropped, as before).
 """
 from __future__ import annotations
 
@@ -82,8 +82,8 @@ CANCEL_CHECK_INTERVAL = 0.02    # s; at the 16-stream goal rate (~20 ms a token)
 ENSEMBLE_CANCEL_CHECK = 1.0     # s; steps of the llm ensemble (Triton does not tell them about cancels)
 BUSY_STREAMS = 16               # open requests from which busy_stream_interval gathers tokens
 BUSY_SCALE_MAX = 2.0            # the busy hold grows with the open streams up to this factor
-BUSY_GAP_FACTOR = 2.5           # the busy hold is at least this many of the choice's gaps between deltas (3 steps a response)
-BUSY_HOLD_MAX = 0.3             # s; ... up to this (a held token waits at most this long then)
+BUSY_GAP_FACTOR = 2.5           # the busy hold is at least this many of a choice's gaps between deltas
+BUSY_HOLD_MAX = 0.3             # s; ... up to this: ~3 steps a response (2 at the cap), none over 0.3 s
 GAP_WEIGHT = 0.3                # weight of the newest gap in a choice's average gap between deltas
 DUE_SLACK = 0.001               # s; held deltas due this soon go with the ones due now (one wake-up)
 SENDERS = 0                     # sender threads (0: this thread sends inline); TRITON_LLM_RESPONSE_SENDERS
