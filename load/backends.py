@@ -18,7 +18,6 @@ from typing import AsyncIterator
 
 from load.counters import scrape_counters
 
-KEEPALIVE_S = 2.0           # s; idle HTTP connections kept for reuse (the shim's uvicorn closes them at 5 s)
 
 
 @dataclass
@@ -77,12 +76,12 @@ class ShimBackend(Backend):
         import aiohttp
 
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        # keepalive_timeout under uvicorn's 5 s: aiohttp keeps an idle connection 15 s by default,
-        # so a round that starts ~5 s after a stream's connection went idle (--keep-up: the same
-        # contender back to back) could reuse one the shim is closing that instant, a request lost
-        # as "Server disconnected" (seen once in 96 bench-110m requests).
+        # A connection per request (force_close): a reused idle connection that the server closes
+        # that instant loses the request as "Server disconnected" (uvicorn closes idle ones at 5 s:
+        # once in 96 bench-110m requests with --keep-up; llama-server: 6 of 32 SmolLM2 requests
+        # at 16 streams in one peers run). A connect costs far less than one streamed request.
         self._http = aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=self.timeout),
-                                           connector=aiohttp.TCPConnector(limit=1024, keepalive_timeout=KEEPALIVE_S))
+                                           connector=aiohttp.TCPConnector(limit=1024, force_close=True))
         async with self._http.get(f"{self.base_url}/models") as r:
             r.raise_for_status()
             self.model = (await r.json())["data"][0]["id"]
