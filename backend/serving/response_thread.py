@@ -191,7 +191,6 @@ class ResponseThread:
         self.busy_stream_interval = busy_stream_interval
         self.busy_streams = busy_streams
         self._holding: dict[RequestHandle, None] = {}   # requests with held deltas (ordered set)
-        self._pace: dict[RequestHandle, dict[int, _Pace]] = {}  # streams: each choice's delta pace
         self.sweep_interval = sweep_interval
         self.cancel_check_interval = cancel_check_interval
         self.ensemble_cancel_interval = ensemble_cancel_interval
@@ -403,12 +402,9 @@ class ResponseThread:
 
     def _arrived(self, h: RequestHandle, index: int, now: float) -> float:
         """Note a streamed choice's mid-stream delta; returns its average gap between deltas (0: first)."""
-        choices = self._pace.get(h)
-        if choices is None:
-            choices = self._pace[h] = {}
-        pace = choices.get(index)
+        pace = h.pace.get(index)
         if pace is None:
-            choices[index] = _Pace(now)
+            h.pace[index] = _Pace(now)
             return 0.0
         return pace.arrived(now)
 
@@ -502,7 +498,6 @@ class ResponseThread:
     def _done(self, h: RequestHandle) -> None:
         h.done = True
         self._drop_held(h)
-        self._pace.pop(h, None)
         self._open.pop(h, None)
         s = self._sender_of.pop(h, None)
         if s is not None:

@@ -573,7 +573,7 @@ def test_busy_hold_gathers_three_steps_when_steps_are_as_slow_as_the_hold(clock)
     for r in rs.values():
         assert r.ids() == [[1], [2, 3, 4], [5, 6, 7], [8, 9, 10], [11]] and r.finals == 1
     assert sum(len(r.sent) for r in rs.values()) == 32 * 5            # token by token: 32 * 11
-    assert q.waits == [] and svc.responses._holding == {} and svc.responses._pace == {}
+    assert q.waits == [] and svc.responses._holding == {} and svc.responses._open == {}
 
 
 def test_busy_step_hold_is_per_choice_and_waits_at_most_its_due_time(clock):
