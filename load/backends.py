@@ -19,7 +19,6 @@ from typing import AsyncIterator
 from load.counters import scrape_counters
 
 
-
 @dataclass
 class Piece:
     """One streamed response. ``tokens`` counts the delta's tokens where the backend knows them

@@ -40,7 +40,6 @@ from load.profile_overhead import cpu_seconds, group_members, label
 from load.stack import ROOT, Stack, engine_options, resolve_model
 from load.workloads import WorkloadSpec, make_workload
 
-THREAD_STATS = False            # --thread-stats: per-thread CPU / run-queue wait of each load point
 CONTENDERS = {
     "engine": "in-process EngineLoop",
     "http": "full stack: shim + ensemble (engine detokenizes)",
@@ -209,18 +208,19 @@ class Contender:
                 stack, self.stack = self.stack, None
                 stack.__exit__(None, None, None)
 
-    async def bench(self, points: list[tuple[int, int]], seed: int) -> list[dict]:
+    async def bench(self, points: list[tuple[int, int]], seed: int, per_thread: bool = False) -> list[dict]:
+        """The load points; ``per_thread``: also the busiest threads' CPU and run-queue wait."""
         out = []
         for conc, n in points:
             jobs = make_workload(WorkloadSpec("mixed", num_jobs=n, input_len=128, output_len=128,
                                               range_ratio=0.5, seed=seed))
             pids = _pids(self.stack)
-            th0 = _threads(pids) if THREAD_STATS else None
+            th0 = _threads(pids) if per_thread else None
             c0, t0 = _cpu(pids), time.perf_counter()
             point = await bench_point(self.be, jobs, concurrency=conc, request_rate=None, progress=False,
                                       desc=f"{self.name} c={conc}")
             wall, cpu = time.perf_counter() - t0, _cpu(pids) - c0
-            th1 = _threads(pids) if THREAD_STATS else None
+            th1 = _threads(pids) if per_thread else None
             s = point["summary"]
             tokens = s["total_output_tokens"]
             if s["failed"]:
@@ -233,7 +233,7 @@ class Contender:
             r = out[-1]
             print(f"  {self.label:10s} c={conc:3d}: {r['tok_s']:7.1f} tok/s  ITL p50 {r['itl_p50_ms']:6.2f} ms  "
                   f"CPU {r['cpu_ms_per_token']:.2f} ms/token", flush=True)
-            if THREAD_STATS and tokens:
+            if per_thread and tokens:
                 r["threads"] = thread_stats(th0, th1, tokens)
                 for t in r["threads"]:
                     print(f"    {t['process'][:28]:28s} {t['comm'][:15]:15s} run {t['run_ms_per_token']:.3f} "
@@ -242,11 +242,12 @@ class Contender:
         return out
 
 
-async def run_contender(label: str, model: str, opts: dict, points: list[tuple[int, int]], seed: int) -> list[dict]:
+async def run_contender(label: str, model: str, opts: dict, points: list[tuple[int, int]], seed: int,
+                        per_thread: bool = False) -> list[dict]:
     """Start, bench and stop one contender."""
     c = await Contender(label, model, opts).open()
     try:
-        return await c.bench(points, seed)
+        return await c.bench(points, seed, per_thread)
     finally:
         await c.close()
 
@@ -293,8 +294,8 @@ async def main_async(args) -> dict:
             for name in order:
                 print(f"round {rnd + 1}: {name}", flush=True)
                 try:
-                    rows = await (up[name].bench(points, args.seed) if args.keep_up
-                                  else run_contender(name, args.model, opts, points, args.seed))
+                    rows = await (up[name].bench(points, args.seed, args.thread_stats) if args.keep_up
+                                  else run_contender(name, args.model, opts, points, args.seed, args.thread_stats))
                 except Exception as exc:    # noqa: BLE001 - a stack that did not start (a busy host): next
                     print(f"  {name}: round {rnd + 1} failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
                     continue
@@ -327,8 +328,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--thread-stats", action="store_true",
                    help="per load point, the busiest threads' CPU and run-queue wait per token (/proc schedstat)")
     args = p.parse_args(argv)
-    global THREAD_STATS
-    THREAD_STATS = args.thread_stats
     res = asyncio.run(main_async(args))
     out = pathlib.Path(args.out or ROOT / "load" / "results" / f"overhead-ab-{pathlib.Path(args.model).name}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
