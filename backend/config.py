@@ -34,6 +34,8 @@ class EngineArgs:
                                                   # that come < this many seconds after its last send go
                                                   # with its next response (fewer responses per token
                                                   # under load; per choice; 0 = off; response_thread.py)
+    busy_hold_steps: float = 2.5                  # ... and at least this many of the stream's own gaps between
+    busy_hold_max: float = 0.3                    # steps, up to this many seconds (slow steps still gather)
     speculative_config: str | dict | None = None  # vLLM's spelling, JSON text or a dict (backend/spec/config.py)
     # Hardening (issue 19; backend/engine/fairness.py, docs/serving.md "Tenants and trust"):
     max_running_per_tenant: int = 0               # sequences one tenant may run at once (0 = no limit)

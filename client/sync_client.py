@@ -5,8 +5,9 @@
             print(chunk.text, end="", flush=True)
 
 Leaving the ``for`` loop early (``break``, an exception, Ctrl-C) closes the generator, which cancels
-the request on the loop thread -- stream cancel plus explicit abort -- and waits until the abort
-was answered, so the engine has freed the request when ``generate`` returns control.
+the request's task on the loop thread -- the explicit abort, the stream half-closed and drained
+(never an RPC cancel, client/triton_client.py) -- and waits until the abort was answered, so the
+engine has freed the request when ``generate`` returns control.
 """
 from __future__ import annotations
 

@@ -10,10 +10,12 @@ error response ends it too (inside an ensemble no FINAL follows an error, so not
 Stopping early -- the consumer breaks, is cancelled, or the request failed after admission -- does
 two things, neither of which awaits, so they also run inside an already-cancelled task:
 
-    1. cancel the gRPC stream (reaches the engine when it is called directly), and
+    1. half-close the gRPC stream and drain it in the background (never cancel an RPC Triton may
+       still write: Triton 2.51 leaks a stream cancelled mid-way, docs/serving.md), and
     2. spawn an explicit abort: a request to model ``engine`` with parameter
-       ``abort_request_id=<id>`` and no inputs, because a stream cancel does not reach a
-       decoupled step inside an ensemble.  ``await client.wait_aborts()`` waits for them.
+       ``abort_request_id=<id>`` and no inputs, which stops the request (a stream cancel would not
+       reach a decoupled step inside an ensemble) and so ends its stream.
+       ``await client.wait_aborts()`` waits for them.
 """
 from __future__ import annotations
 
@@ -312,11 +314,16 @@ class TritonLLMClient:
         finished: set[int] = set()
         admitted = True                         # False: rejected before the engine kept any state
         call = None
+        read = None                             # the read in flight, shielded from our cancellation
         try:
             call = self._client().stream_infer(requests())
             while len(finished) < n:
+                # A cancelled read cancels the RPC (grpc.aio does so for a read awaited in a task
+                # that is cancelled: the shim's, when its HTTP client hangs up), which the finally
+                # below must avoid; so the read runs in a task of its own that outlives ours.
+                read = asyncio.ensure_future(call.__anext__())
                 try:
-                    result, error = await call.__anext__()
+                    result, error = await asyncio.shield(read)
                 except StopAsyncIteration:
                     raise UnavailableError("Triton closed the stream before the request finished") from None
                 except TritonLLMError:
@@ -348,14 +355,21 @@ class TritonLLMClient:
                 # request is half-closed; an unfinished one is stopped by the explicit abort
                 # below, which ends its stream; the RPC is drained in the background and only
                 # cancelled if it does not end within ABORT_TIMEOUT.
-                self._track(self._end_call(call), self._ending)
+                self._track(self._end_call(call, read if read is not None and not read.done() else None),
+                            self._ending)
             if len(finished) < n and admitted:
                 self._spawn_abort(rid, parameters.get(P.TENANT))
 
     @staticmethod
-    async def _end_call(call, timeout: float = ABORT_TIMEOUT) -> None:
+    async def _end_call(call, read: asyncio.Future | None = None, timeout: float = ABORT_TIMEOUT) -> None:
+        """Drain ``call`` to its end (``read``: a read still in flight, left by a cancelled consumer)."""
         try:
             async def rest() -> None:
+                if read is not None:
+                    try:
+                        await read
+                    except StopAsyncIteration:
+                        return
                 async for _ in call:
                     pass
             await asyncio.wait_for(rest(), timeout)

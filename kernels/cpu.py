@@ -177,5 +177,13 @@ def decode_library():
         lib.linear_f32.restype = None
         lib.step_pool_set.argtypes = [ctypes.c_int]
         lib.step_pool_set.restype = None
+        lib.bf16_dot_supported.argtypes = []
+        lib.bf16_dot_supported.restype = ctypes.c_int
+        lib.amx_supported.argtypes = []
+        lib.amx_supported.restype = ctypes.c_int
+        lib.amx_set.argtypes = [ctypes.c_int]
+        lib.amx_set.restype = None
+        lib.linear_bf16_test.argtypes = [_P, _I, _I, _P, _P, _I, _P, ctypes.c_int, ctypes.c_int]
+        lib.linear_bf16_test.restype = ctypes.c_int
         return lib
     return None

@@ -154,6 +154,16 @@ def thread_stats(before: dict, after: dict, tokens: int, top: int = 4) -> list[d
     return rows[:top]
 
 
+def process_stats(before: dict, after: dict, tokens: int) -> dict[str, float]:
+    """CPU ms per output token of each process (all its threads), by label, busiest first
+    (``--thread-stats``): where the stack's CPU above the in-process engine's goes."""
+    per: dict[str, float] = {}
+    for key, (run, *_rest) in after.items():
+        name = label(key[0])
+        per[name] = per.get(name, 0.0) + (run - before.get(key, (0.0,))[0]) / max(tokens, 1)
+    return dict(sorted(per.items(), key=lambda kv: -kv[1]))
+
+
 def split_contender(label: str) -> tuple[str, dict]:
     """``http@stream_interval=0.03`` -> ("http", {"stream_interval": "0.03"}): per-contender options."""
     name, *items = label.split("@")
@@ -234,6 +244,9 @@ class Contender:
             print(f"  {self.label:10s} c={conc:3d}: {r['tok_s']:7.1f} tok/s  ITL p50 {r['itl_p50_ms']:6.2f} ms  "
                   f"CPU {r['cpu_ms_per_token']:.2f} ms/token", flush=True)
             if per_thread and tokens:
+                r["processes"] = process_stats(th0, th1, tokens)
+                print("    per process, run ms/token: " + ", ".join(
+                    f"{k[:28]} {v:.3f}" for k, v in r["processes"].items() if v >= 0.005), flush=True)
                 r["threads"] = thread_stats(th0, th1, tokens)
                 for t in r["threads"]:
                     print(f"    {t['process'][:28]:28s} {t['comm'][:15]:15s} run {t['run_ms_per_token']:.3f} "

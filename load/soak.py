@@ -5,10 +5,13 @@
 
 16 concurrent streams through the ``llm`` ensemble (TritonLLMClient, as the shim uses it): 12 of
 them are the tenant ``flood``, 4 the tenant ``calm``; 30 % of requests are cancelled mid-way (the
-client's explicit abort), 10 % are bad (``max_tokens=0``). Every 5 s the RSS of every process of
+consumer stops reading: the client's explicit abort), 10 % are bad (``max_tokens=0``). The kind
+``hangup`` (``--mix``) cancels the consuming task while it awaits the next response instead, as
+the shim's task is cancelled when its HTTP client hangs up. Every 5 s the RSS of every process of
 the server's process group (tritonserver, each Python stub) is recorded. At the end it reports
 the RSS slope per process over the second half (MiB/min), whether the KV pool is back to idle,
-failed valid requests (must be 0) and the fair-share ratio: tokens/s per calm stream over tokens/s
+failed valid requests (must be 0), how long the server then takes to stop (a request state Triton
+leaked holds ``llm`` until the 10 s exit timeout: ``exit_timeout_expired``) and the fair-share ratio: tokens/s per calm stream over tokens/s
 per flood stream (1.0 = equal share per stream; the engine caps a tenant at
 ``max_running_per_tenant``). Results as JSON on stdout.
 """
@@ -24,7 +27,7 @@ import time
 
 from client.errors import AbortedError, InvalidRequestError
 from client.triton_client import TritonLLMClient
-from load.counters import parse_prometheus, scrape_text
+from load.stack import stop_timed, wait_engine_idle
 
 
 def rss_mib(pid: int) -> float | None:
@@ -71,13 +74,30 @@ async def worker(client, tenant: str, stop_at: float, tally: dict, rng: random.R
         kind = rng.choices(list(mix), weights=list(mix.values()))[0]
         params = {"max_tokens": 0 if kind == "bad" else rng.randint(16, 64), "temperature": 0.7,
                   "tenant": tenant, "ignore_eos": True}
-        cut = rng.randint(2, 8)
+        # a hang-up anywhere up to the last token: near the end it meets Triton's last write
+        cut = rng.randint(1, params["max_tokens"]) if kind == "hangup" else rng.randint(2, 8)
         t0, tokens = time.monotonic(), 0
-        try:
+        reached = asyncio.Event()
+
+        async def consume() -> None:
+            nonlocal tokens
             async for chunk in client.generate(prompt=f"soak {rng.random()}", params=params):
                 tokens += len(chunk.token_ids)
                 if kind == "cancel" and tokens >= cut:
                     break
+                if kind == "hangup" and tokens >= cut:
+                    reached.set()                # and read on: the hang-up finds us awaiting a read
+        try:
+            if kind == "hangup":
+                task, hang_up = asyncio.ensure_future(consume()), asyncio.ensure_future(reached.wait())
+                await asyncio.wait([task, hang_up], return_when=asyncio.FIRST_COMPLETED)
+                task.cancel()                    # a no-op on a stream that ended first
+                hang_up.cancel()
+                (result,) = await asyncio.gather(task, return_exceptions=True)
+                if isinstance(result, Exception):   # CancelledError is not one: the hang-up itself
+                    raise result
+            else:
+                await consume()
             tally[tenant]["tokens"] += tokens
             tally[tenant]["busy_s"] += time.monotonic() - t0
             tally["done"][kind] += 1
@@ -95,7 +115,7 @@ async def worker(client, tenant: str, stop_at: float, tally: dict, rng: random.R
 
 async def traffic(url: str, duration: float, streams: int, seed: int, mix: dict[str, float]) -> dict:
     tally = {t: {"tokens": 0, "busy_s": 0.0, "streams": 0} for t in ("flood", "calm")}
-    tally.update(done={"ok": 0, "cancel": 0, "bad": 0}, failed=[])
+    tally.update(done=dict.fromkeys(("ok", "cancel", "hangup", "bad"), 0), failed=[])
     stop_at = time.monotonic() + duration
     async with TritonLLMClient(url) as client:
         tasks = []
@@ -138,22 +158,17 @@ def main(argv: list[str] | None = None) -> int:
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
         tally = asyncio.run(traffic(server.grpc_url, args.duration, args.streams, args.seed, mix))
-        deadline = time.monotonic() + 30
-        while True:
-            m = parse_prometheus(scrape_text(server.metrics_url))
-            idle = (m.get("llm_kv_cache_usage_ratio", 1) == 0 and m.get("llm_num_requests_running", 1) == 0
-                    and m.get("llm_num_requests_waiting", 1) == 0)
-            if idle or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
+        idle, _ = wait_engine_idle(server.metrics_url)
         done.set()
         sampler.join()
+        stop_s, held = stop_timed(server)
     rate = {t: tally[t]["tokens"] / max(1e-9, tally[t]["busy_s"]) for t in ("flood", "calm")}
     half = args.duration / 2
     report = {
         "duration_s": args.duration, "streams": args.streams, "requests": tally["done"],
         "failed_valid_requests": len(tally["failed"]), "failures": tally["failed"][:10],
         "kv_idle_at_end": idle,
+        "stop_s": round(stop_s, 1), "exit_timeout_expired": held,
         "tokens": {t: tally[t]["tokens"] for t in ("flood", "calm")},
         "fair_share_calm_over_flood_per_stream": round(rate["calm"] / max(1e-9, rate["flood"]), 3),
         "rss": {f"{names[p]}[{p}]": {"start_mib": round(s[0][1], 1), "end_mib": round(s[-1][1], 1),
@@ -161,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                 for p, s in samples.items() if s},
     }
     print(json.dumps(report, indent=2))
-    return 0 if not tally["failed"] and idle else 1
+    return 0 if not tally["failed"] and idle and not held else 1
 
 
 if __name__ == "__main__":

@@ -3,10 +3,15 @@ plus the OpenAI shim, on free loopback ports.
 
     with Stack(resolve_model("bench-15m"), {"max_num_seqs": 64}) as stack:
         stack.shim_url, stack.grpc_url, stack.metrics_url
+
+``wait_engine_idle`` waits for an empty engine after a run; ``stop_timed`` stops the server and
+says whether its exit timeout expired (load/soak.py, load/hangups.py).
 """
 from __future__ import annotations
 
 import pathlib
+import signal
+import time
 import types
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -57,15 +62,41 @@ def parse_options(items: list[str] | None) -> dict[str, str]:
     return out
 
 
+def wait_engine_idle(metrics_url: str, timeout: float = 30.0) -> tuple[bool, dict[str, float]]:
+    """Poll the server's metrics until no request runs or waits and the KV pool is empty:
+    (idle, the last metrics read)."""
+    from load.counters import parse_prometheus, scrape_text
+
+    deadline = time.monotonic() + timeout
+    while True:
+        m = parse_prometheus(scrape_text(metrics_url))
+        idle = all(m.get(k, 1) == 0 for k in ("llm_kv_cache_usage_ratio", "llm_num_requests_running",
+                                                 "llm_num_requests_waiting"))
+        if idle or time.monotonic() > deadline:
+            return idle, m
+        time.sleep(0.5)
+
+
+def stop_timed(server) -> tuple[float, bool]:
+    """SIGTERM a started TritonServer and wait for it: (seconds it took, whether its exit timeout
+    expired -- something still held a model, e.g. a request state Triton 2.51 leaked when an RPC
+    was cancelled as its last write completed, which keeps ``llm`` loaded; docs/serving.md)."""
+    t0 = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    server.proc.wait(timeout=server.exit_timeout + 30)
+    return time.monotonic() - t0, "Exit timeout expired" in server.log_path.read_text(errors="replace")
+
+
 class Stack:
-    """tritonserver + shim; ``shim=False`` for Triton only."""
+    """tritonserver + shim; ``shim=False`` for Triton only; ``server_options``: more TritonServer
+    arguments (``log_verbose``, ...)."""
 
     def __init__(self, model_dir: pathlib.Path, engine_options: dict | None = None, *,
-                 shim: bool = True, quiet: bool = True) -> None:
+                 shim: bool = True, quiet: bool = True, **server_options) -> None:
         from backend.serving.launcher import TritonServer
 
         self.server = TritonServer(model_dir, engine_options={k: str(v) for k, v in (engine_options or {}).items()},
-                                   quiet=quiet)
+                                   quiet=quiet, **server_options)
         self.want_shim = shim
         self.shim_proc = None
         self.shim_port = None

@@ -1,6 +1,7 @@
 """Shared fixtures: checkpoints made once per machine (cached under build/models)."""
 from __future__ import annotations
 
+import contextlib
 import pathlib
 
 import pytest
@@ -56,20 +57,76 @@ def _tritonserver_available() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    if _tritonserver_available():
+    if not _tritonserver_available():
+        skip = pytest.mark.skip(reason="tritonserver not installed (pip install nvidia-pytriton)")
+        for item in items:
+            if "e2e" in item.keywords:
+                item.add_marker(skip)
         return
-    skip = pytest.mark.skip(reason="tritonserver not installed (pip install nvidia-pytriton)")
     for item in items:
-        if "e2e" in item.keywords:
-            item.add_marker(skip)
+        if SESSION_SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.flaky(reruns=1, condition=_a_session_server_died))
 
 
 @pytest.fixture(scope="session")
-def triton_server():
+def triton_server(tmp_path_factory):
     from backend.serving.launcher import TritonServer
 
-    with TritonServer(model_dir("tiny"), engine_options=E2E_ENGINE_OPTIONS, quiet=True) as server:
-        yield server
+    with TritonServer(model_dir("tiny"), engine_options=E2E_ENGINE_OPTIONS, quiet=True,
+                      workdir=tmp_path_factory.mktemp("session-triton")) as server:
+        with _guarded("triton_server", server):
+            yield server
+
+
+# --- a session server that crashes ---------------------------------------------------------------
+# The session's tritonserver (2.51, the pytriton wheel's) died once in ~30 CI runs, while a shim
+# client hung up and its request was aborted; every later test sharing it then failed with
+# "connection refused", and its log went with its workdir. (Hang-ups then still reached Triton as
+# RPC cancels, whose handling in 2.51 is fragile: the client no longer sends them, docs/serving.md.)
+# Now the session servers keep their workdir (pytest's tmp, kept for the last three runs); a test
+# during which one died runs once more on a restarted server, and the end of the run prints the
+# crash with the dead server's log tail. A crash twice in one test, or any failure while the
+# servers live, still fails.
+SESSION_SERVER_FIXTURES = {"triton_server", "real_server"}
+_SESSION_SERVERS: dict = {}                  # fixture name -> its started TritonServer
+_CRASHES: list[str] = []
+
+
+@contextlib.contextmanager
+def _guarded(name: str, server):
+    _SESSION_SERVERS[name] = server
+    try:
+        yield
+    finally:
+        _SESSION_SERVERS.pop(name, None)
+
+
+def _dead_servers() -> list:
+    return [(n, s) for n, s in _SESSION_SERVERS.items() if s.proc is not None and s.proc.poll() is not None]
+
+
+def _a_session_server_died() -> bool:
+    """The re-run condition (pytest-rerunfailures), evaluated after a failed attempt."""
+    return bool(_dead_servers())
+
+
+@pytest.fixture(autouse=True)
+def _restart_dead_session_servers(request):
+    from backend.serving.launcher import log_tail
+
+    for name, server in _dead_servers():
+        code, tail = server.proc.returncode, log_tail(server.log_path, 40)
+        server.restart()                          # keeps the dead one's log as tritonserver.<n>.log
+        _CRASHES.append(f"{name} (exit {code}) found dead before {request.node.nodeid}; the end of its "
+                        f"log {server.log_path.with_name(f'tritonserver.{server.starts}.log')}:\n{tail}")
+    yield
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _CRASHES:
+        terminalreporter.section("session tritonserver crashes (restarted; the test then ran again)")
+        for line in _CRASHES:
+            terminalreporter.write_line(line)
 
 
 # --- the real model, for the tests where words matter ------------------------------------------
@@ -93,8 +150,10 @@ def real_model_dir() -> pathlib.Path:
 
 
 @pytest.fixture(scope="session")
-def real_server(real_model_dir):
+def real_server(real_model_dir, tmp_path_factory):
     from backend.serving.launcher import TritonServer
 
-    with TritonServer(real_model_dir, engine_options=REAL_ENGINE_OPTIONS, quiet=True) as server:
-        yield server
+    with TritonServer(real_model_dir, engine_options=REAL_ENGINE_OPTIONS, quiet=True,
+                      workdir=tmp_path_factory.mktemp("session-real-triton")) as server:
+        with _guarded("real_server", server):
+            yield server

@@ -84,7 +84,7 @@ class TcpConnector(KVConnector):
             sock = socket.create_server((self.host, self.port))
             self.port = sock.getsockname()[1]
             self._sock = sock
-            self._thread = threading.Thread(target=self._accept_loop, name="kv-tcp-server", daemon=True)
+            self._thread = threading.Thread(target=self._accept_loop, args=(sock,), name="kv-tcp-server", daemon=True)
             self._thread.start()
         return self.host, self.port
 
@@ -110,10 +110,12 @@ class TcpConnector(KVConnector):
                 self._staged_bytes -= t.numel() * t.element_size()
             return t
 
-    def _accept_loop(self) -> None:
+    def _accept_loop(self, sock: socket.socket) -> None:
+        # Its own reference: close() may drop self._sock before this thread first reaches accept()
+        # (a connector closed right after serving: an AttributeError in this thread, CI at 606081b).
         while True:
             try:
-                conn, _ = self._sock.accept()
+                conn, _ = sock.accept()
             except OSError:
                 return                                    # closed
             threading.Thread(target=self._handle, args=(conn,), daemon=True).start()

@@ -16,13 +16,20 @@ CPU, fp32 weights, an fp32 KV cache or a half one (``kv_cache_dtype`` fp16 / bf1
 as stored, read back widened to fp32), projections that are plain :class:`~backend.model.llama.Linear`
 or int8/int4 :class:`~backend.quant.linear.QuantLinear` (incl. a quantized lm_head, ``lm_head_q``;
 those call the quant library's ``w8_gemm``/``w4_gemm`` through their addresses, so they compute what
-QuantLinear computes), the torch attention backend, the C library built (``kernels.cpu.decode_library``),
+QuantLinear computes) -- or a bf16 model (every weight bf16) on a CPU with AVX512-BF16 (the library's
+``bf16_dot_supported()``): its projections, lm_head and embedding are read in place as bf16, inputs
+rounded to bf16 and multiplied on AMX tiles (from 6 tokens, where Linux grants the tile state;
+``TRITON_LLM_AMX=0`` turns them off) or VDPBF16PS tiles with fp32 accumulation, the rest of the step
+in fp32 (fp32 copies of the norm weights and biases) --, the torch attention backend, the C library built (``kernels.cpu.decode_library``),
 and ``TRITON_LLM_FUSED_DECODE`` not ``0`` (that switches all of it off). Per step,
 :meth:`FusedDecoder.accepts` takes every all-decode batch and a batch with prefill chunks of at most
 ``TRITON_LLM_FUSED_MAX_TOKENS`` new tokens (default :data:`MAX_TOKENS`; 0 = all-decode steps only).
 
 Numerics: the same fp32 operations as the torch path in another summation order (logits agree to
 ~1e-5 relative, pinned by tests/unit/test_model_fused_decode.py; greedy tokens by the parity tests).
+bf16: the torch path rounds every activation to bf16, this step only a linear's inputs, so the two
+agree to bf16's precision (~1 % of the logits' range, pinned at 3 %; against transformers in bf16 by
+tests/unit/test_model_dtype.py, docs/kernels.md's exactness contract).
 Linears of ``M >= TRITON_LLM_FUSED_GEMM_MIN_M`` rows (default :data:`GEMM_MIN_M`) call MKL's
 ``sgemm_`` from torch's own library, where it is exported; smaller ones the C register tiles.
 Every output element is computed by one chunk of a parallel loop with explicit FMAs, so the thread
@@ -58,6 +65,7 @@ _LAYER_FIELDS = ("ln1", "qkv_w", "qkv_b", "o_w", "o_b", "ln2", "gu_w", "gu_b", "
 
 _PROJ = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")    # P_QKV .. P_DOWN in decode_cpu.c
 _KIND = {"int8": 1, "int4": 2}                                    # Q_INT8, Q_INT4 (0: fp32)
+Q_BF16 = 3                                                        # a bf16 weight read in place
 
 
 class _Model(ctypes.Structure):
@@ -67,7 +75,7 @@ class _Model(ctypes.Structure):
                 + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
                 + [(n, _P) for n in ("embed", "norm", "lm_head", "cos", "sin", *_LAYER_FIELDS, "sgemm",
                                      "qw", "head_q", "w8", "w4")]
-                + [("kv_dtype", _I)])
+                + [("kv_dtype", _I), ("embed_dtype", _I)])
 _KV_DTYPE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}   # KV_F32 / KV_F16 / KV_BF16
 
 
@@ -82,7 +90,7 @@ def _is_quant(mod) -> bool:
 
 def _qw(mod) -> _QW:
     if not _is_quant(mod):
-        return _QW(kind=0)
+        return _QW(kind=Q_BF16, w=mod.weight.data_ptr()) if mod.weight.dtype == torch.bfloat16 else _QW(kind=0)
     return _QW(kind=_KIND[mod.method], group=mod.group_size, w=mod.qweight.data_ptr(),
                scales=mod.scales.data_ptr(), zeros=None if mod.zeros is None else mod.zeros.data_ptr())
 
@@ -128,6 +136,10 @@ def _f32(t: torch.Tensor | None) -> bool:
     return t is None or (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous())
 
 
+def _bf16(t: torch.Tensor | None) -> bool:
+    return t is None or (t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.is_contiguous())
+
+
 class FusedDecoder:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  block_size: int, lib):
@@ -135,21 +147,27 @@ class FusedDecoder:
         self._lib = lib
         self._keep = []           # ctypes pointer arrays the struct points into
         layers = model.model.layers
+        # A bf16 model: its projections, lm_head and embedding are read in place as bf16 (AMX or
+        # VDPBF16PS tiles); the norm weights and biases, small, get fp32 copies for the fp32 rest of the step.
+        self.bf16 = model.model.embed_tokens.dtype == torch.bfloat16
 
-        def w(mod):                 # fp32 weight, or None for a QuantLinear (read through qw)
-            return None if _is_quant(mod) else mod.weight
+        def w(mod):                 # fp32 weight, or None for a QuantLinear / bf16 one (read through qw)
+            return None if _is_quant(mod) or mod.weight.dtype == torch.bfloat16 else mod.weight
+
+        def f32(t):
+            return None if t is None else t.float().contiguous()
 
         per_layer = {
-            "ln1": [x.input_layernorm.weight for x in layers],
+            "ln1": [f32(x.input_layernorm.weight) for x in layers],
             "qkv_w": [w(x.self_attn.qkv_proj) for x in layers],
-            "qkv_b": [x.self_attn.qkv_proj.bias for x in layers],
+            "qkv_b": [f32(x.self_attn.qkv_proj.bias) for x in layers],
             "o_w": [w(x.self_attn.o_proj) for x in layers],
-            "o_b": [x.self_attn.o_proj.bias for x in layers],
-            "ln2": [x.post_attention_layernorm.weight for x in layers],
+            "o_b": [f32(x.self_attn.o_proj.bias) for x in layers],
+            "ln2": [f32(x.post_attention_layernorm.weight) for x in layers],
             "gu_w": [w(x.mlp.gate_up_proj) for x in layers],
-            "gu_b": [x.mlp.gate_up_proj.bias for x in layers],
+            "gu_b": [f32(x.mlp.gate_up_proj.bias) for x in layers],
             "down_w": [w(x.mlp.down_proj) for x in layers],
-            "down_b": [x.mlp.down_proj.bias for x in layers],
+            "down_b": [f32(x.mlp.down_proj.bias) for x in layers],
             "k_cache": [k for k, _ in kv_caches],
             "v_cache": [v for _, v in kv_caches],
         }
@@ -161,25 +179,29 @@ class FusedDecoder:
         sgemm = _mkl_sgemm()
         projs = [getattr(x.self_attn if p in ("qkv_proj", "o_proj") else x.mlp, p) for x in layers for p in _PROJ]
         head = getattr(model, "lm_head_q", None)
+        head_qw = _qw(head) if head is not None else (_QW(kind=Q_BF16, w=model.lm_head_weight().data_ptr())
+                                                        if self.bf16 else None)
         quant = {}
-        if any(_is_quant(p) for p in projs) or head is not None:
-            self._qw = (_QW * len(projs))(*[_qw(p) for p in projs])
-            self._head_q = _qw(head) if head is not None else None
-            w8, w4 = _quant_gemms()
-            quant = dict(qw=ctypes.cast(self._qw, _P), w8=w8, w4=w4,
-                         head_q=None if head is None else ctypes.cast(ctypes.pointer(self._head_q), _P))
-            self._quant_mods = [*projs, head]                 # keep their tensors alive with us
         self.quantized = any(_is_quant(p) for p in projs)     # int8/int4 projections (not just the head)
+        if self.quantized or self.bf16 or head is not None:
+            self._qw = (_QW * len(projs))(*[_qw(p) for p in projs])
+            self._head_q = head_qw
+            w8, w4 = _quant_gemms() if self.quantized or head is not None else (None, None)
+            quant = dict(qw=ctypes.cast(self._qw, _P), w8=w8, w4=w4,
+                         head_q=None if head_qw is None else ctypes.cast(ctypes.pointer(self._head_q), _P))
+            self._quant_mods = [*projs, head]                 # keep their tensors alive with us
+        norm = f32(model.model.norm.weight)
         self._struct = _Model(
             num_layers=cfg.num_layers, hidden=cfg.hidden_size, num_heads=cfg.num_heads,
             num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, inter=cfg.intermediate_size,
             vocab=cfg.vocab_size, block_size=block_size, max_pos=rot.cos.shape[0],
             gemm_min_m=int(os.environ.get("TRITON_LLM_FUSED_GEMM_MIN_M", GEMM_MIN_M)) if sgemm else 1 << 62,
             eps=cfg.rms_norm_eps, scale=cfg.head_dim ** -0.5,
-            embed=model.model.embed_tokens.data_ptr(), norm=model.model.norm.weight.data_ptr(),
-            lm_head=model.lm_head_weight().data_ptr(), cos=rot.cos.data_ptr(), sin=rot.sin.data_ptr(),
-            sgemm=sgemm, kv_dtype=_KV_DTYPE[kv_caches[0][0].dtype], **arrays, **quant)
-        self._tensors = per_layer        # the pointers above stay valid while these live
+            embed=model.model.embed_tokens.data_ptr(), norm=norm.data_ptr(),
+            lm_head=None if self.bf16 else model.lm_head_weight().data_ptr(), cos=rot.cos.data_ptr(),
+            sin=rot.sin.data_ptr(), sgemm=sgemm, kv_dtype=_KV_DTYPE[kv_caches[0][0].dtype],
+            embed_dtype=_KV_DTYPE[model.model.embed_tokens.dtype], **arrays, **quant)
+        self._tensors = {**per_layer, "norm": [norm]}   # the pointers above stay valid while these live
         self._vocab = cfg.vocab_size
         self._scratch = torch.empty(0)
         self.max_tokens = max_tokens()
@@ -239,22 +261,26 @@ def make_fused_decoder(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tens
         return None
     linears = [m for m in model.modules() if m.__class__.__name__.endswith("Linear")]
     quant = [m for m in linears if _is_quant(m)]
-    if any(not _quant_ok(m) for m in quant):
+    bf16 = model.model.embed_tokens.dtype == torch.bfloat16
+    if any(not _quant_ok(m) for m in quant) or (bf16 and quant):
         return None                                       # a layout the C GEMMs do not read
-    if any(type(m) is not Linear or not (_f32(m.weight) and _f32(m.bias)) for m in linears if not _is_quant(m)):
-        return None                                       # not fp32 on CPU
+    ok = _bf16 if bf16 else _f32
+    if any(type(m) is not Linear or not ok(m.weight) or not ok(m.bias) for m in linears if not _is_quant(m)):
+        return None                                       # not fp32 (or all bf16) on CPU
     if quant and _quant_gemms() is None:
         return None                                       # the quant C library is not built
-    others = [model.model.embed_tokens, model.lm_head_weight(), model.model.norm.weight, model.rotary.cos,
-              model.rotary.sin]
     caches = [t for kv in kv_caches for t in kv]
     if (not caches or len({t.dtype for t in caches}) != 1 or caches[0].dtype not in _KV_DTYPE
             or not all(t.device.type == "cpu" and t.is_contiguous() for t in caches)):
         return None                                       # KV: one of fp32 / fp16 / bf16 (kv_cache_dtype), CPU
-    if not all(_f32(t) for t in others) or any(not _f32(x.weight) for x in model.modules() if hasattr(x, "eps")):
+    norms = [x.weight for x in model.modules() if hasattr(x, "eps")]
+    if (not all(_f32(t) for t in (model.rotary.cos, model.rotary.sin))
+            or not all(ok(t) for t in (model.model.embed_tokens, model.lm_head_weight(), *norms))):
         return None
     lib = decode_library()
     if lib is None:
         return None
-    log.info("fused CPU decode step on (kernels/csrc/decode_cpu.c)")
+    if bf16 and not lib.bf16_dot_supported():
+        return None                                       # no AVX512-BF16: the torch path (oneDNN)
+    log.info("fused CPU decode step on (kernels/csrc/decode_cpu.c%s)", ", bf16 weights" if bf16 else "")
     return FusedDecoder(model, kv_caches, block_size, lib)

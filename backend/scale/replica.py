@@ -9,8 +9,8 @@ finished within ``graceful_shutdown_timeout_s``).
 ``generate`` forwards one request over a tritonclient gRPC stream (client/triton_client.py) and
 yields each chunk as a dict. Errors are yielded as a record ``{"error": {...}}`` (kind, message,
 param, retry_after) rather than raised, so the typed error survives the hop without pickling
-exceptions; a cancelled ``generate`` (the caller went away) unwinds the gRPC client, which cancels
-the stream and sends the engine's explicit abort.
+exceptions; a cancelled ``generate`` (the caller went away) unwinds the gRPC client, which sends
+the engine's explicit abort and drains the half-closed stream (it never cancels the RPC).
 """
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from backend.serving.intake import Intake
 from backend.serving.messages import Incoming
-from backend.serving.response_thread import CANCEL_CHECK_INTERVAL, ResponseThread
+from backend.serving.response_thread import BUSY_HOLD_MAX, BUSY_HOLD_STEPS, CANCEL_CHECK_INTERVAL, ResponseThread
 from backend.serving.tombstones import AbortTombstones
 
 __all__ = ["EngineService", "Incoming", "build_engine_service", "STUB_SWITCH_INTERVAL_S"]
@@ -43,6 +43,7 @@ class EngineService:
                  cancel_check_interval: float = CANCEL_CHECK_INTERVAL,
                  clock: Callable[[], float] = time.monotonic, start: bool = True,
                  q: queue.Queue | None = None, drain_timeout: float = 30.0, busy_stream_interval: float = 0.0,
+                 busy_hold_steps: float = BUSY_HOLD_STEPS, busy_hold_max: float = BUSY_HOLD_MAX,
                  allow_client_salt: bool = False, test_faults: bool = False, detokenizer: Any = None) -> None:
         self.loop = loop
         self.drain_timeout = drain_timeout
@@ -50,6 +51,7 @@ class EngineService:
         self.tombstones = AbortTombstones(tombstone_ttl, clock)
         self.responses = ResponseThread(loop, self.tombstones, metrics=metrics, stream_interval=stream_interval,
                                         busy_stream_interval=busy_stream_interval,
+                                        busy_hold_steps=busy_hold_steps, busy_hold_max=busy_hold_max,
                                         sweep_interval=sweep_interval,
                                         cancel_check_interval=cancel_check_interval, clock=clock, q=q,
                                         detokenizer=detokenizer)
@@ -134,6 +136,7 @@ def build_engine_service(model_dir: str, params: dict[str, str], *, metrics_fact
     service = EngineService(loop, max_model_len=engine.max_model_len, metrics=metrics,
                             stream_interval=args.stream_interval, drain_timeout=args.shutdown_drain_s,
                             busy_stream_interval=args.busy_stream_interval,
+                            busy_hold_steps=args.busy_hold_steps, busy_hold_max=args.busy_hold_max,
                             # the disaggregated roles check once a second: their router always
                             # sends the explicit abort to both servers (disagg_engine.py)
                             cancel_check_interval=getattr(engine, "cancel_check_interval", CANCEL_CHECK_INTERVAL),

@@ -43,12 +43,13 @@ one ensemble hop, one gRPC message, one SSE chunk) carries several steps' tokens
 its own clock, and a held token waits at most its choice's interval: the first delta that comes an
 interval after the last send takes it along (sends stay on step boundaries), else the thread wakes
 up at its deadline (the steps stalled). With an explicit ``stream_interval`` steps slower than the
-interval are never held. The busy hold also follows the steps: it is at least ``BUSY_GAP_FACTOR``
+interval are never held. The busy hold also follows the steps: it is at least ``busy_hold_steps``
 times the choice's own recent gap between deltas (an average over its last few steps), up to
-``BUSY_HOLD_MAX``, so while many streams are open a response carries about three steps' tokens
-(two when the cap cuts in) even when a step is as long as the hold or longer (a 32-stream step of
-a larger model on a small CPU: ~0.07-0.15 s), and the responses per second stay a third of the
-steps' rate instead of one per token; a token then waits at most about two steps more. Never held:
+``busy_hold_max`` seconds (engine options; defaults BUSY_HOLD_STEPS 2.5, BUSY_HOLD_MAX 0.3 s), so
+while many streams are open a response carries about three steps' tokens (two when the cap cuts in)
+even when a step is as long as the hold or longer (a 32-stream step of a larger model on a small
+CPU: ~0.07-0.15 s), and the responses per second stay a third of the steps' rate instead of one per
+token; a token then waits at most about two steps more. Never held:
 a choice's first token, finals (a held delta goes with them), errors (the held tokens go first), a
 cancelled request's tokens (dropped, as before).
 """
@@ -82,7 +83,7 @@ CANCEL_CHECK_INTERVAL = 0.02    # s; at the 16-stream goal rate (~20 ms a token)
 ENSEMBLE_CANCEL_CHECK = 1.0     # s; steps of the llm ensemble (Triton does not tell them about cancels)
 BUSY_STREAMS = 16               # open requests from which busy_stream_interval gathers tokens
 BUSY_SCALE_MAX = 2.0            # the busy hold grows with the open streams up to this factor
-BUSY_GAP_FACTOR = 2.5           # the busy hold is at least this many of a choice's gaps between deltas
+BUSY_HOLD_STEPS = 2.5           # the busy hold is at least this many of a choice's gaps between deltas
 BUSY_HOLD_MAX = 0.3             # s; ... up to this: ~3 steps a response (2 at the cap), none over 0.3 s
 GAP_WEIGHT = 0.3                # weight of the newest gap in a choice's average gap between deltas
 DUE_SLACK = 0.001               # s; held deltas due this soon go with the ones due now (one wake-up)
@@ -177,6 +178,7 @@ def _name_os_thread() -> None:
 class ResponseThread:
     def __init__(self, loop: Any, tombstones: AbortTombstones, *, metrics: Any = None,
                  stream_interval: float = 0.0, busy_stream_interval: float = 0.0,
+                 busy_hold_steps: float = BUSY_HOLD_STEPS, busy_hold_max: float = BUSY_HOLD_MAX,
                  busy_streams: int = BUSY_STREAMS, sweep_interval: float = 0.1,
                  cancel_check_interval: float = CANCEL_CHECK_INTERVAL,
                  ensemble_cancel_interval: float = ENSEMBLE_CANCEL_CHECK,
@@ -189,6 +191,7 @@ class ResponseThread:
         self.latency = LatencyRecorder(metrics)
         self.stream_interval = stream_interval
         self.busy_stream_interval = busy_stream_interval
+        self.busy_hold_steps, self.busy_hold_max = busy_hold_steps, busy_hold_max
         self.busy_streams = busy_streams
         self._holding: dict[RequestHandle, None] = {}   # requests with held deltas (ordered set)
         self.sweep_interval = sweep_interval
@@ -286,8 +289,8 @@ class ResponseThread:
         set, else, while at least ``busy_streams`` requests are open (many streams: each
         response's IPC and downstream work is worth sharing between steps), the larger of
         ``busy_stream_interval`` times (open requests / ``busy_streams``, at most BUSY_SCALE_MAX)
-        and BUSY_GAP_FACTOR times ``gap``, the choice's average gap between deltas (up to
-        BUSY_HOLD_MAX), else 0."""
+        and ``busy_hold_steps`` times ``gap``, the choice's average gap between deltas (up to
+        ``busy_hold_max``), else 0."""
         if self.stream_interval > 0:
             return self.stream_interval
         n = len(self._open)
@@ -301,7 +304,7 @@ class ResponseThread:
             # cores: ~0.07-0.15 s) would make (nearly) every token its own response: hold across
             # the next two steps, so a response carries three steps' tokens (a third of the
             # responses: each costs ~1-2 ms of CPU across the stub, tritonserver, shim, client).
-            return max(hold, min(BUSY_GAP_FACTOR * gap, BUSY_HOLD_MAX))
+            return max(hold, min(self.busy_hold_steps * gap, self.busy_hold_max))
         return 0.0
 
     def _next_due(self) -> float:

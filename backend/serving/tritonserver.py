@@ -6,7 +6,7 @@
 ``start()`` finds the install, renders the repository, spawns the server in its own process group
 (backend/serving/process_group.py) and waits until it is ready or explains why it is not;
 ``drain()`` unloads the generation models so open requests finish and new ones are refused;
-``stop()`` ends the whole group.
+``stop()`` ends the whole group; ``restart()`` starts a server that exited again on the same ports.
 """
 from __future__ import annotations
 
@@ -81,6 +81,7 @@ class TritonServer:
         self.log_path = self.workdir / "tritonserver.log"
         self.drain_file = self.workdir / "draining"     # drain() -> the engine (drain_watch.py)
         self.proc = None
+        self.starts = 0                       # restart() counts up (fresh shm names, kept logs)
         self._admin_key = secrets.token_hex(16)
 
     # -- addresses -------------------------------------------------------------------------------
@@ -104,13 +105,13 @@ class TritonServer:
     def command(self, install: TritonInstall, repository: pathlib.Path, backends: pathlib.Path,
                 attempt: int = 1) -> list[str]:
         """The tritonserver command line for a rendered ``repository`` (``attempt``: fresh shm names
-        for a retried start)."""
+        for a retried start; so is each restart)."""
         return [
             str(install.binary),
             f"--model-repository={repository}",
             f"--backend-directory={backends}",
             # Separate shared-memory names per server, so several servers can run on one machine.
-            f"--backend-config=python,shm-region-prefix-name=tllm{os.getpid()}_{self.grpc_port}_{attempt}_",
+            f"--backend-config=python,shm-region-prefix-name={self._shm_prefix}{self.starts}{attempt}_",
             f"--http-address={self.host}", f"--http-port={self.http_port}",
             f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
             f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
@@ -282,10 +283,36 @@ class TritonServer:
         """SIGTERM; after ``grace`` seconds (default: the exit timeout + 15) SIGKILL what is left."""
         if self.proc is None:
             return
-        terminate_group(self.proc, timeout=self.exit_timeout + 15 if grace is None else grace)
-        self.proc = None
+        self._end(grace)
         if self._own_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def _end(self, grace: float | None = None) -> None:
+        """End the process group (if any is left) and the shared memory its run left behind."""
+        if self.proc is not None:
+            terminate_group(self.proc, timeout=self.exit_timeout + 15 if grace is None else grace)
+            self.proc = None
+        self._remove_shm()
+
+    @property
+    def _shm_prefix(self) -> str:
+        return f"tllm{os.getpid()}_{self.grpc_port}_"
+
+    def _remove_shm(self) -> None:
+        """The Python backend's shared-memory regions of this server's runs: a server killed (or
+        crashed) leaves them in /dev/shm, 1 MB and more each, until the machine reboots."""
+        for region in pathlib.Path("/dev/shm").glob(self._shm_prefix + "*"):
+            region.unlink(missing_ok=True)
+
+    def restart(self) -> "TritonServer":
+        """Stop what is left of this server and start it again on the same ports and options
+        (clients keep their addresses). The last run's log stays beside the new one as
+        ``tritonserver.<n>.log``: after a crash, it says why."""
+        self._end()
+        self.starts += 1
+        if self.log_path.exists():
+            self.log_path.rename(self.log_path.with_name(f"tritonserver.{self.starts}.log"))
+        return self.start()
 
     def __enter__(self) -> "TritonServer":
         return self.start()

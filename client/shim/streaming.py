@@ -5,8 +5,8 @@ Events are made only as fast as the socket takes them: the generator is pulled o
 control). So what one stream can hold in the shim is that buffer plus one event; what the engine
 produces meanwhile waits in the gRPC stream. A client that takes no bytes for ``write_timeout``
 seconds would hold the request's KV blocks for nothing, so its stream is closed: the body
-generator is closed (its cleanup cancels the gRPC stream and sends the explicit abort, which
-frees the blocks), and returning without finishing the response makes uvicorn close the
+generator is closed (its cleanup sends the explicit abort, which frees the blocks, and drains
+the half-closed gRPC stream), and returning without finishing the response makes uvicorn close the
 connection.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ class BoundedSSE(StreamingResponse):
 
     async def __call__(self, scope, receive, send) -> None:
         """Stream the body while one plain asyncio task watches for the client's disconnect, which
-        cancels the stream (its ``finally`` below closes the body generator: gRPC cancel + abort).
+        cancels the stream (its ``finally`` below closes the body generator: explicit abort + drain).
         Starlette's own ``__call__`` runs an anyio task group per response for the same watch (a
         spawned task, cancel scopes, a task repr on every cancel: ~0.2 ms of the shim's CPU per
         request)."""

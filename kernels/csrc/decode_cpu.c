@@ -33,6 +33,14 @@
  * the quant library's own w8_gemm / w4_gemm (backend/quant/csrc/quant_cpu.c) through the function
  * pointers the caller passes, so they compute exactly what QuantLinear computes on the torch path.
  * The residual projections (o, down) write into the free ``xn`` rows and are added to h after.
+ *
+ * bf16 models (where the CPU has AVX512-BF16): a projection of kind Q_BF16 (and ``head_q`` for the
+ * lm_head) is the model's own bf16 weight [N, K]; its input rows are rounded to bf16 (RNE) and
+ * multiplied on AMX tiles (TDPBF16PS, from AMX_MIN_M rows) or with VDPBF16PS (pairs of bf16
+ * products summed into fp32 lanes), the matmul a bf16 torch Linear does through oneDNN. The
+ * embedding rows are bf16 too (``embed_dtype``); the rest of the step (norms, RoPE, residual
+ * stream, attention over a bf16 KV cache, SiLU) stays fp32, with the caller's fp32 copies of the
+ * norm weights and biases.
  */
 #define _GNU_SOURCE 1          /* pthread_setname_np (the pool's worker threads) */
 #include <math.h>
@@ -69,11 +77,11 @@ typedef void (*w4_fn)(const float *x, int64_t M, int64_t K, int64_t ldx, const u
                       const uint16_t *scales, const uint16_t *zeros, int64_t G, const float *bias,
                       int64_t N, float *y, int64_t ldy, int nthreads);
 
-/* One projection's quantized weight; kind 0: fp32 (the Model's float pointer is used instead). */
-enum { Q_F32 = 0, Q_INT8 = 1, Q_INT4 = 2 };
+/* One projection's quantized or bf16 weight; kind 0: fp32 (the Model's float pointer is used instead). */
+enum { Q_F32 = 0, Q_INT8 = 1, Q_INT4 = 2, Q_BF16 = 3 };
 typedef struct {
     int64_t kind, group;
-    const void *w;                  /* int8 [N, K] or packed int4 [N, ceil(K/32)*16] */
+    const void *w;                  /* int8 [N, K], packed int4 [N, ceil(K/32)*16] or bf16 [N, K] */
     const uint16_t *scales, *zeros; /* fp16 [N, groups]; zeros: int4 only */
 } QW;
 enum { P_QKV = 0, P_O = 1, P_GU = 2, P_DOWN = 3, P_COUNT = 4 };
@@ -89,10 +97,11 @@ typedef struct {
     void **k_cache, **v_cache;      /* per layer; element type: kv_dtype */
     sgemm_fn sgemm;                 /* NULL: own kernels for every M */
     const QW *qw;                   /* NULL (all fp32) or [num_layers * P_COUNT] */
-    const QW *head_q;               /* NULL: fp32 lm_head */
+    const QW *head_q;               /* NULL: fp32 lm_head; else int8 / int4 / bf16 */
     w8_fn w8;                       /* the quant library's w8_gemm / w4_gemm (needed when used) */
     w4_fn w4;
     int64_t kv_dtype;               /* KV cache element (kv_cache_dtype): KV_F32, KV_F16 or KV_BF16 */
+    int64_t embed_dtype;            /* KV_F32 (fp32 rows) or KV_BF16 (bf16 rows: a bf16 model) */
 } Model;
 enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
 
@@ -363,10 +372,16 @@ DEFINE_GEMV(4) DEFINE_GEMV(1)
  * are then read as STREAMS long sequential streams side by side. One Zen 3 core reads ~1.5x more
  * bytes per second from DRAM that way than along one stream (4 adjacent rows are one stream). */
 #define STREAMS 4
-/* Threads only for calls of at least this many multiply-adds (~0.1 ms on one core): a parallel
- * region ends in a barrier, and on a shared host the other thread is often descheduled -- with
- * a region per linear at M = 1, two threads made bench-15m's step ~50x slower under load. */
-#define PAR_MIN_MACS (1 << 22)
+/* Threads only for calls of at least this many multiply-adds. With OpenMP regions (each ends in a
+ * barrier, and on a shared host the other thread is often descheduled) a region per linear at
+ * M = 1 made bench-15m's step ~50x slower under load, hence 1 << 22 then. The step's pool lets the
+ * caller go on without a worker that has not started, and a step of a few tokens is bound by one
+ * core's read rate, so from 1 << 18 (2026-12-02, AMX host, 2 threads): in process, decode 1 of
+ * bench-110m / SmolLM2 fp32 23.0 / 34.0 -> 13.6 / 18.5 ms, bf16 11.1 / 15.6 -> ~6.0 / 9.1 ms
+ * (tools/ab_dtype_step.py --threads 2); through the stack, bench-110m fp32 at 1 stream 39-40 ->
+ * 59-63 tok/s, at 16 streams +5-8 %, at 32 the same (load.overhead_ab, docs/benchmarks.md). */
+#define PAR_MIN_MACS (1 << 18)
+#define QUANT_PAR_MIN_MACS (1 << 22)   /* int8 / int4 linears: the quant library's OpenMP regions */
 
 /* Rows [n0, n1) of y [M, N] (+)= x [M, K] W^T + bias. */
 static void linear_rows(const float *x, int64_t M, int64_t K, const float *W, const float *bias,
@@ -419,6 +434,23 @@ static void linear_chunk(void *p, int64_t c) {
     linear_rows(j->x, j->M, j->K, j->W, j->bias, j->N, j->y, j->acc, j->N * c / j->C, j->N * (c + 1) / j->C);
 }
 
+/* Threads for a linear: several only from PAR_MIN_MACS multiply-adds. */
+static int linear_threads(int nt, int64_t M, int64_t N, int64_t K) {
+    return nt > 1 && M * N * K >= PAR_MIN_MACS ? nt : 1;
+}
+
+/* Row chunks of a linear on T threads. OpenMP: one contiguous row range per thread; the pool:
+ * LINEAR_CHUNKS ranges per thread (a late worker leaves the caller at most one chunk's imbalance),
+ * at least 16 rows each. */
+static int64_t linear_chunks(int T, int64_t N) {
+    int64_t C = T;
+    if (T > 1 && pool_enabled()) {
+        C = (int64_t)T * LINEAR_CHUNKS;
+        if (C > N / 16) C = N / 16 > T ? N / 16 : T;
+    }
+    return C;
+}
+
 /* y [M, N] (+)= x [M, K] W^T + bias;  x, y contiguous; acc: add into y (the residual). */
 static void linear(const Model *m, const float *x, int64_t M, int64_t K, const float *W,
                    const float *bias, int64_t N, float *y, int acc, int nt) {
@@ -432,16 +464,9 @@ static void linear(const Model *m, const float *x, int64_t M, int64_t K, const f
                 for (int64_t n = 0; n < N; n++) y[t * N + n] += bias[n];
         return;
     }
-    const int T = nt > 1 && M * N * K >= PAR_MIN_MACS ? nt : 1;
-    /* OpenMP: one contiguous row range per thread; the pool: LINEAR_CHUNKS ranges per thread (a
-     * late worker leaves the caller at most one chunk's imbalance), at least 16 rows each. */
-    int64_t C = T;
-    if (T > 1 && pool_enabled()) {
-        C = (int64_t)T * LINEAR_CHUNKS;
-        if (C > N / 16) C = N / 16 > T ? N / 16 : T;
-    }
-    LinearJob j = {x, M, K, W, bias, N, y, acc, C};
-    par_for(T, C, linear_chunk, &j, 0);
+    const int T = linear_threads(nt, M, N, K);
+    LinearJob j = {x, M, K, W, bias, N, y, acc, linear_chunks(T, N)};
+    par_for(T, j.C, linear_chunk, &j, 0);
 }
 
 /* The fp32 linear alone (own kernels, no sgemm), for tests and tools: y [M, N] (+)= x W^T + bias. */
@@ -451,13 +476,276 @@ void linear_f32(const float *x, int64_t M, int64_t K, const float *W, const floa
     linear(&m, x, M, K, W, bias, N, y, acc, nt);
 }
 
-/* A projection that may be quantized: q NULL or fp32 -> linear(); else the quant GEMM into y, or,
- * with acc, into tmp [M, N] and then y += tmp (as QuantLinear's output is added on the torch path). */
+/* ---- bf16 weights: VDPBF16PS tiles (AVX512-BF16) ------------------------------------------ */
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define HAVE_BF16_DOT 1
+
+/* GCC 12 spells a bf16 vector as shorts, later ones as __bf16: a same-size vector cast either way. */
+#define BH(v) ((__m512bh)(v))
+
+/* y[t, r g] (+)= x[t] . w[r g] + bias[r g] for R bf16 weight rows g rows apart and T bf16 input
+ * rows: R x T fp32 accumulators of 16 lanes, 32 products per instruction along K (the last < 32
+ * through a zeroing mask: zeros add nothing), one horizontal sum per output at the end. */
+#define DEFINE_BTILE(R, T)                                                                          \
+static void btile_##R##_##T(const uint16_t *x, int64_t K, const uint16_t *w, int64_t g,            \
+                            const float *bias, float *y, int64_t ldy, int acc, const uint16_t *pf) { \
+    __m512 a[R][T];                                                                                \
+    for (int r = 0; r < R; r++) for (int t = 0; t < T; t++) a[r][t] = _mm512_setzero_ps();         \
+    const int64_t rs = g * K;                                                                      \
+    for (int64_t k = 0; k < K; k += 32) {                                                          \
+        const __mmask32 mk = K - k >= 32 ? (__mmask32)~0u : (__mmask32)((1u << (K - k)) - 1);       \
+        if (pf)                                                                                    \
+            for (int r = 0; r < R; r++) __builtin_prefetch(pf + r * rs + k);                       \
+        __m512i wv[R];                                                                             \
+        for (int r = 0; r < R; r++) wv[r] = _mm512_maskz_loadu_epi16(mk, w + r * rs + k);          \
+        for (int t = 0; t < T; t++) {                                                              \
+            const __m512i xv = _mm512_maskz_loadu_epi16(mk, x + t * K + k);                        \
+            for (int r = 0; r < R; r++) a[r][t] = _mm512_dpbf16_ps(a[r][t], BH(wv[r]), BH(xv));    \
+        }                                                                                          \
+    }                                                                                              \
+    for (int r = 0; r < R; r++)                                                                    \
+        for (int t = 0; t < T; t++) {                                                              \
+            float s = _mm512_reduce_add_ps(a[r][t]);                                               \
+            if (bias) s += bias[r * g];                                                            \
+            float *o = y + t * ldy + r * g;                                                        \
+            *o = acc ? *o + s : s;                                                                 \
+        }                                                                                          \
+}
+DEFINE_BTILE(4, 1) DEFINE_BTILE(4, 2) DEFINE_BTILE(4, 3) DEFINE_BTILE(4, 4)
+DEFINE_BTILE(1, 1) DEFINE_BTILE(1, 2) DEFINE_BTILE(1, 3) DEFINE_BTILE(1, 4)
+
+/* Rows [n0, n1) of y [M, N] (+)= xb [M, K] W^T + bias, bf16 xb and W: 4-row tiles whose rows come
+ * from the STREAMS parts of the range (as linear_rows), up to 4 input rows per tile. */
+static void linear_rows_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *W, const float *bias,
+                             int64_t N, float *y, int acc, int64_t n0, int64_t n1) {
+    const int64_t g = (n1 - n0) / STREAMS;
+    for (int64_t i = 0; i < g; i++) {
+        const int64_t n = n0 + i;
+        const uint16_t *w = W + n * K;
+        const float *b = bias ? bias + n : NULL;
+        const uint16_t *pf = i + 1 < g ? w + K : NULL;
+        for (int64_t t0 = 0; t0 < M; t0 += 4, pf = NULL) {
+            const uint16_t *xt = x + t0 * K;
+            float *yt = y + t0 * N + n;
+            switch (M - t0 >= 4 ? 4 : M - t0) {
+            case 1: btile_4_1(xt, K, w, g, b, yt, N, acc, pf); break;
+            case 2: btile_4_2(xt, K, w, g, b, yt, N, acc, pf); break;
+            case 3: btile_4_3(xt, K, w, g, b, yt, N, acc, pf); break;
+            default: btile_4_4(xt, K, w, g, b, yt, N, acc, pf);
+            }
+        }
+    }
+    for (int64_t n = n0 + STREAMS * g; n < n1; n++) {
+        const uint16_t *w = W + n * K;
+        const float *b = bias ? bias + n : NULL;
+        for (int64_t t0 = 0; t0 < M; t0 += 4) {
+            const uint16_t *xt = x + t0 * K;
+            float *yt = y + t0 * N + n;
+            switch (M - t0 >= 4 ? 4 : M - t0) {
+            case 1: btile_1_1(xt, K, w, 1, b, yt, N, acc, NULL); break;
+            case 2: btile_1_2(xt, K, w, 1, b, yt, N, acc, NULL); break;
+            case 3: btile_1_3(xt, K, w, 1, b, yt, N, acc, NULL); break;
+            default: btile_1_4(xt, K, w, 1, b, yt, N, acc, NULL);
+            }
+        }
+    }
+}
+
+typedef struct {
+    const uint16_t *x; int64_t M, K; const uint16_t *W; const float *bias; int64_t N; float *y; int acc; int64_t C;
+} BLinearJob;
+
+static void blinear_chunk(void *p, int64_t c) {
+    const BLinearJob *j = p;
+    linear_rows_bf16(j->x, j->M, j->K, j->W, j->bias, j->N, j->y, j->acc, j->N * c / j->C, j->N * (c + 1) / j->C);
+}
+#endif
+
+/* bf16 elements a bf16 linear's input scratch needs for M rows of K: the rows rounded to bf16,
+ * then (from a 64-byte boundary) their AMX re-layout with the tokens padded to 16. */
+static int64_t bf16_input_elems(int64_t M, int64_t K) {
+    return ((M * K + 31) & ~(int64_t)31) + (M + 15) / 16 * 16 * K;
+}
+
+int bf16_dot_supported(void) {
+#ifdef HAVE_BF16_DOT
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* ---- bf16 weights on AMX (TDPBF16PS) ---------------------------------------------------------
+ * y^T = W x^T in 16 x 16 tiles: C [16 weight rows x mb <= 16 tokens] fp32 += A [16 weight rows x 32
+ * k, read in place from W with a row stride of K] . B [16 k-pairs x mb token pairs], B being the
+ * step's bf16 inputs re-laid once per linear as VNNI pairs (xv below). Four C tiles (64 weight rows)
+ * share each B tile. Needs K % 32 == 0; the N % 16 rows left take the VDPBF16PS tiles. The kernel
+ * asks Linux for the AMX tile state once per process (arch_prctl ARCH_REQ_XCOMP_PERM). */
+#if defined(HAVE_BF16_DOT) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define HAVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* Below 6 tokens the VDPBF16PS tiles make the faster step where the weights stream from DRAM: one
+ * sequential stream per row instead of a tile's 16 strided rows (a 49152 x 768 matrix alone at M = 1:
+ * 2.7 against 6.1 ms; whole decode steps of bench-110m / SmolLM2 at M = 4: 13.5 / 20.3 ms against
+ * 17.0 / 24.9, at M = 6 even, at 8 AMX ahead, 20.7 / 27.3 against 23.1 / 32.6). bench-15m, whose
+ * weights stay in cache, would gain from AMX at 4 already (0.95 against 1.08 ms). Smaller group
+ * sizes and software prefetch of the next tile rows did not move AMX at M = 4. Sweep:
+ * tools/ab_dtype_step.py MODEL --amx-sweep. */
+#define AMX_MIN_M 6
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed, aligned(64))) TileCfg;
+
+/* Loaded by each amx_rows call and released at its end: other AMX users in the process (oneDNN
+ * under torch's bf16 matmuls) release the tiles after their own work, so a config kept across
+ * calls may be gone (the next tile instruction then faults: SIGILL). */
+static void tile_config(int mb) {
+    TileCfg c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 4; t++) { c.rows[t] = 16; c.colsb[t] = (uint16_t)(mb * 4); }   /* C0..C3 */
+    c.rows[4] = 16; c.colsb[4] = (uint16_t)(mb * 4);                                   /* B */
+    c.rows[5] = c.rows[6] = 16; c.colsb[5] = c.colsb[6] = 64;                          /* A */
+    _tile_loadconfig(&c);
+}
+
+/* xv: bf16 rows xb [M, K] -> [ceil(M/16)][K/32][16 k-pairs][16 tokens] of 32-bit pairs. */
+static void to_vnni(const uint16_t *xb, int64_t M, int64_t K, uint32_t *xv) {
+    const int64_t KB = K / 32, K2 = K / 2;
+    for (int64_t m = 0; m < M; m++) {
+        const uint32_t *src = (const uint32_t *)(xb + m * K);
+        uint32_t *dst = xv + (m / 16) * KB * 256 + (m % 16);
+        for (int64_t k2 = 0; k2 < K2; k2++) dst[(k2 / 16) * 256 + (k2 % 16) * 16] = src[k2];
+    }
+}
+
+/* Row blocks [nb0, nb1) (16 weight rows each) of y [M, N] (+)= x W^T + bias. */
+static void amx_rows(const uint32_t *xv, int64_t M, int64_t K, const uint16_t *W, const float *bias,
+                     int64_t N, float *y, int acc, int64_t nb0, int64_t nb1) {
+    const int64_t KB = K / 32, ws = K * 2;
+    float buf[16 * 16] __attribute__((aligned(64)));
+    int cfg = 0;
+    /* Weight rows outside, tokens inside: a group's 64 rows (64 K bf16: 96 KB at K = 768) are read
+     * from memory once and from L2 for every further 16 tokens (tokens outside read all of W once
+     * per 16 tokens: bench-110m's 136-token prefill 25 % slower than oneDNN that way). */
+    for (int64_t nb = nb0; nb < nb1; nb += 4) {
+        const int nn = nb1 - nb >= 4 ? 4 : (int)(nb1 - nb);
+        const uint16_t *w = W + nb * 16 * K;
+        for (int64_t m0 = 0; m0 < M; m0 += 16) {
+            const int mb = M - m0 >= 16 ? 16 : (int)(M - m0);
+            if (mb != cfg) { tile_config(mb); cfg = mb; }
+            const uint32_t *xt = xv + (m0 / 16) * KB * 256;
+            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+            for (int64_t kb = 0; kb < KB; kb++) {
+                _tile_loadd(4, xt + kb * 256, 64);
+                _tile_loadd(5, w + kb * 32, ws);
+                _tile_dpbf16ps(0, 5, 4);
+                if (nn > 1) { _tile_loadd(6, w + 16 * K + kb * 32, ws); _tile_dpbf16ps(1, 6, 4); }
+                if (nn > 2) { _tile_loadd(5, w + 32 * K + kb * 32, ws); _tile_dpbf16ps(2, 5, 4); }
+                if (nn > 3) { _tile_loadd(6, w + 48 * K + kb * 32, ws); _tile_dpbf16ps(3, 6, 4); }
+            }
+            for (int i = 0; i < nn; i++) {
+                switch (i) {
+                case 0: _tile_stored(0, buf, 64); break;
+                case 1: _tile_stored(1, buf, 64); break;
+                case 2: _tile_stored(2, buf, 64); break;
+                default: _tile_stored(3, buf, 64);
+                }
+                const int64_t n0 = (nb + i) * 16;
+                for (int t = 0; t < mb; t++) {
+                    float *o = y + (m0 + t) * N + n0;
+                    for (int r = 0; r < 16; r++) {
+                        float v = buf[r * 16 + t] + (bias ? bias[n0 + r] : 0.f);
+                        o[r] = acc ? o[r] + v : v;
+                    }
+                }
+            }
+        }
+    }
+    if (cfg) _tile_release();
+}
+
+typedef struct {
+    const uint32_t *xv; int64_t M, K; const uint16_t *W; const float *bias; int64_t N; float *y; int acc;
+    int64_t NB, C;
+} AmxJob;
+
+static void amx_chunk(void *p, int64_t c) {
+    const AmxJob *j = p;
+    amx_rows(j->xv, j->M, j->K, j->W, j->bias, j->N, j->y, j->acc, j->NB * c / j->C, j->NB * (c + 1) / j->C);
+}
+#endif
+
+static int amx_state = -1;               /* -1: not asked yet; TRITON_LLM_AMX=0 turns it off */
+
+int amx_supported(void) {
+#ifdef HAVE_AMX
+    if (amx_state < 0) {
+        const char *env = getenv("TRITON_LLM_AMX");
+        amx_state = (env && env[0] == '0') ? 0 : syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                                         18 /* XFEATURE_XTILEDATA */) == 0;
+    }
+    return amx_state;
+#else
+    return 0;
+#endif
+}
+
+void amx_set(int on) { amx_state = on ? -1 : 0; }
+
+/* y [M, N] (+)= bf16(x) [M, K] W^T + bias with W bf16 [N, K]; xb: bf16_input_elems(M, K). Chunks
+ * as linear(). Without AVX512-BF16 this is never called (bf16_dot_supported() is 0: the caller
+ * keeps such models on the torch path). */
+static void linear_bf16(const float *x, int64_t M, int64_t K, const uint16_t *W, const float *bias,
+                        int64_t N, float *y, int acc, uint16_t *xb, int nt) {
+#ifdef HAVE_BF16_DOT
+    f32_to_half(x, xb, M * K, KV_BF16);                 /* RNE, as torch's .to(bfloat16) */
+    const int T = linear_threads(nt, M, N, K);
+#ifdef HAVE_AMX
+    if (M >= AMX_MIN_M && K % 32 == 0 && N >= 16 && amx_supported()) {
+        uint32_t *xv = (uint32_t *)(xb + ((M * K + 31) & ~(int64_t)31));   /* bf16_input_elems' layout */
+        to_vnni(xb, M, K, xv);
+        const int64_t NB = N / 16, C = linear_chunks(T, N);                  /* chunks of 16-row blocks */
+        AmxJob aj = {xv, M, K, W, bias, N, y, acc, NB, C < NB ? C : NB};
+        par_for(T, aj.C, amx_chunk, &aj, 0);
+        if (NB * 16 < N) {                                /* the last N % 16 rows */
+            linear_rows_bf16(xb, M, K, W, bias, N, y, acc, NB * 16, N);
+        }
+        return;
+    }
+#endif
+    BLinearJob j = {xb, M, K, W, bias, N, y, acc, linear_chunks(T, N)};
+    par_for(T, j.C, blinear_chunk, &j, 0);
+#else
+    (void)x; (void)M; (void)K; (void)W; (void)bias; (void)N; (void)y; (void)acc; (void)xb; (void)nt;
+#endif
+}
+
+/* bf16 linear alone, for tests: y [M, N] (+)= bf16(x) W^T + bias; -1 without AVX512-BF16 or memory. */
+int linear_bf16_test(const float *x, int64_t M, int64_t K, const uint16_t *W, const float *bias, int64_t N,
+                     float *y, int acc, int nt) {
+    uint16_t *xb = malloc(sizeof(uint16_t) * (size_t)bf16_input_elems(M, K));
+    if (!xb || !bf16_dot_supported()) { free(xb); return -1; }
+    linear_bf16(x, M, K, W, bias, N, y, acc, xb, nt);
+    free(xb);
+    return 0;
+}
+
+/* A projection that may be quantized or bf16: q NULL or fp32 -> linear(); bf16 -> linear_bf16 (xb
+ * its input scratch); else the quant GEMM into y, or, with acc, into tmp [M, N] and then y += tmp
+ * (as QuantLinear's output is added on the torch path). */
 static void linear_q(const Model *m, const QW *q, const float *x, int64_t M, int64_t K, const float *W,
-                     const float *bias, int64_t N, float *y, int acc, float *tmp, int nt) {
+                     const float *bias, int64_t N, float *y, int acc, float *tmp, uint16_t *xb, int nt) {
     if (!q || q->kind == Q_F32) { linear(m, x, M, K, W, bias, N, y, acc, nt); return; }
+    if (q->kind == Q_BF16) { linear_bf16(x, M, K, (const uint16_t *)q->w, bias, N, y, acc, xb, nt); return; }
     float *out = acc ? tmp : y;
-    const int t = nt > 1 && M * N * K >= PAR_MIN_MACS ? nt : 1;
+    /* The quant library threads with OpenMP regions (a barrier each): the old, higher threshold. */
+    const int t = nt > 1 && M * N * K >= QUANT_PAR_MIN_MACS ? nt : 1;
     if (q->kind == Q_INT8)
         m->w8(x, M, K, K, (const int8_t *)q->w, q->scales, q->group, bias, N, out, N, t);
     else
@@ -489,7 +777,11 @@ static void rope(const float *x, const float *c, const float *s, int64_t half, f
 /* Bytes of float scratch step_forward needs for M rows (the caller allocates it). */
 int64_t decode_scratch_floats(const Model *m, int64_t M) {
     const int64_t q = m->num_heads * m->head_dim, kv = m->num_kv_heads * m->head_dim;
-    return M * (2 * m->hidden + (q + 2 * kv) + 2 * q + 3 * m->inter);
+    int64_t kmax = m->hidden > q ? m->hidden : q;
+    if (m->inter > kmax) kmax = m->inter;
+    /* + the bf16 input scratch of the widest linear (bf16 projections), two per float, and 16
+     * floats to align it to 64 bytes */
+    return M * (2 * m->hidden + (q + 2 * kv) + 2 * q + 3 * m->inter) + (bf16_input_elems(M, kmax) + 1) / 2 + 16;
 }
 
 /* Rows per thread below which the per-row loops (norms, RoPE, SiLU) stay serial. */
@@ -607,6 +899,7 @@ int step_forward(const Model *m, int64_t M, int64_t nseqs, const int64_t *ids, c
         if (cu[s + 1] <= cu[s] || seq_lens[s] < cu[s + 1] - cu[s]) return -2;
     float *h = scratch, *xn = h + M * H, *qkv = xn + M * H, *qb = qkv + M * qkvn, *att = qb + M * q;
     float *gu = att + M * q, *act = gu + 2 * M * I;
+    uint16_t *xb = (uint16_t *)(((uintptr_t)(act + M * I) + 63) & ~(uintptr_t)63);   /* bf16 linear inputs */
     int64_t *rows = malloc(sizeof(int64_t) * (size_t)M);
     int32_t *seq = malloc(sizeof(int32_t) * (size_t)M), *ctx = malloc(sizeof(int32_t) * (size_t)M);
     if (!rows || !seq || !ctx) { free(rows); free(seq); free(ctx); return -1; }
@@ -618,7 +911,16 @@ int step_forward(const Model *m, int64_t M, int64_t nseqs, const int64_t *ids, c
             att_macs += 2 * (int64_t)ctx[r] * q;
         }
     }
-    for (int64_t i = 0; i < M; i++) memcpy(h + i * H, m->embed + ids[i] * H, sizeof(float) * (size_t)H);
+    if (m->embed_dtype == KV_BF16) {                     /* bf16 rows: widening is exact */
+        const uint16_t *e = (const uint16_t *)m->embed;
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t c = 0; c < H; c++) {
+                const uint32_t u = (uint32_t)e[ids[i] * H + c] << 16;
+                memcpy(h + i * H + c, &u, sizeof u);
+            }
+    } else {
+        for (int64_t i = 0; i < M; i++) memcpy(h + i * H, m->embed + ids[i] * H, sizeof(float) * (size_t)H);
+    }
     const int par_att = nt > 1 && M > 1 && att_macs >= PAR_MIN_MACS;
     const int par_rows = nt > 1 && M > 1 && M * (H + I) >= PAR_MIN_ELEMS;
     /* Row loops: OpenMP splits the M rows statically (attention: dynamically, one row at a time);
@@ -637,15 +939,15 @@ int step_forward(const Model *m, int64_t M, int64_t nseqs, const int64_t *ids, c
         rj.l = ja.l = l;
         rj.ln = m->ln1[l];
         par_for(nr, row_c, norm_chunk, &rj, 0);
-        linear_q(m, QP(l, P_QKV), xn, M, H, m->qkv_w[l], m->qkv_b[l], qkvn, qkv, 0, NULL, nt);
+        linear_q(m, QP(l, P_QKV), xn, M, H, m->qkv_w[l], m->qkv_b[l], qkvn, qkv, 0, NULL, xb, nt);
         par_for(nr, row_c, rope_store_chunk, &rj, 0);
         par_for(na, M, attend_chunk, &ja, 1);
-        linear_q(m, QP(l, P_O), att, M, q, m->o_w[l], m->o_b[l], H, h, 1, xn, nt);
+        linear_q(m, QP(l, P_O), att, M, q, m->o_w[l], m->o_b[l], H, h, 1, xn, xb, nt);
         rj.ln = m->ln2[l];
         par_for(nr, row_c, norm_chunk, &rj, 0);
-        linear_q(m, QP(l, P_GU), xn, M, H, m->gu_w[l], m->gu_b[l], 2 * I, gu, 0, NULL, nt);
+        linear_q(m, QP(l, P_GU), xn, M, H, m->gu_w[l], m->gu_b[l], 2 * I, gu, 0, NULL, xb, nt);
         par_for(nr, row_c, silu_chunk, &rj, 0);
-        linear_q(m, QP(l, P_DOWN), act, M, I, m->down_w[l], m->down_b[l], H, h, 1, xn, nt);
+        linear_q(m, QP(l, P_DOWN), act, M, I, m->down_w[l], m->down_b[l], H, h, 1, xn, xb, nt);
     }
     const int rc = atomic_load(&ja.rc);
     free(rows);
@@ -655,6 +957,6 @@ int step_forward(const Model *m, int64_t M, int64_t nseqs, const int64_t *ids, c
     for (int64_t j = 0; j < nlogits; j++) rmsnorm(h + logit_rows[j] * H, m->norm, H, m->eps, xn + j * H);
 #undef QP
     if (nlogits > 0)
-        linear_q(m, m->head_q, xn, nlogits, H, m->lm_head, NULL, m->vocab, logits, 0, NULL, nt);
+        linear_q(m, m->head_q, xn, nlogits, H, m->lm_head, NULL, m->vocab, logits, 0, NULL, xb, nt);
     return 0;
 }

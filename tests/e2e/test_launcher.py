@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import pathlib
 import shutil
 
 import pytest
@@ -44,3 +45,30 @@ def test_stop_leaves_no_processes():
 def test_unknown_engine_option_rejected_before_start():
     with pytest.raises(ValueError, match="unknown engine option 'blok_size'"):
         TritonServer(model_dir("tiny"), engine_options=["blok_size=16"])
+
+
+def test_a_killed_server_restarts_on_its_ports_keeping_its_log_not_its_shared_memory(tmp_path):
+    import signal
+    import urllib.request
+
+    server = TritonServer(model_dir("tiny"), models=["preprocessing"], quiet=True, workdir=tmp_path).start()
+    shm, prefix = pathlib.Path("/dev/shm"), f"tllm{os.getpid()}_{server.grpc_port}_"
+    try:
+        ports, first_pgid = (server.http_port, server.grpc_port, server.metrics_port), server.proc.pid
+        os.killpg(first_pgid, signal.SIGKILL)
+        server.proc.wait()
+        assert not server.alive()
+        first_log = server.log_path.read_text()
+        assert list(shm.glob(prefix + "01_*"))     # the killed server's Python-backend regions
+        server.restart()
+        assert not list(shm.glob(prefix + "01_*")) and list(shm.glob(prefix + "11_*"))
+        assert server.alive() and server.proc.pid != first_pgid
+        assert (server.http_port, server.grpc_port, server.metrics_port) == ports
+        with urllib.request.urlopen(f"http://{server.http_url}/v2/models/preprocessing/ready", timeout=10) as r:
+            assert r.status == 200
+        assert (tmp_path / "tritonserver.1.log").read_text() == first_log and "Started HTTPService" in first_log
+        with pytest.raises(ProcessLookupError):
+            os.killpg(first_pgid, 0)                # the dead server's group is gone
+    finally:
+        server.stop()
+    assert not list(shm.glob(prefix + "*"))     # nor are the restarted one's after stop()

@@ -159,3 +159,56 @@ def test_finished_requests_are_not_aborted(shim, triton_server):
                    ready=lambda s: s.get(FINISHED, 0) >= start.get(FINISHED, 0) + 5 and s.get(RUNNING, 0) == 0)
     assert done[FINISHED] == start.get(FINISHED, 0) + 5
     assert done.get(ABORTED, 0) == start.get(ABORTED, 0)
+
+
+def test_a_hang_up_never_cancels_the_rpc_in_triton(tmp_path):
+    """A consumer cancelled while it awaits the next response (the shim's task when its HTTP client
+    hangs up) must not cancel the gRPC call: grpc.aio cancels the RPC of a read cancelled in a
+    task, and Triton 2.51 then leaks the stream's state (so `llm` never unloads, ~120 KB of RSS
+    each; docs/serving.md). The explicit abort stops the request instead, and the stream drains.
+    Triton logs every RPC cancellation it receives at --log-verbose=1, so this server's log is
+    the witness."""
+    from backend.serving.launcher import TritonServer
+    from tests.conftest import E2E_ENGINE_OPTIONS, model_dir
+    from tests.e2e.shim_fixtures import start_shim, stop_shim
+
+    with TritonServer(model_dir("tiny"), engine_options=E2E_ENGINE_OPTIONS, quiet=True, log_verbose=1,
+                      workdir=tmp_path / "server") as server:
+        before = idle(server.metrics_url)
+
+        async def cancelled_mid_read() -> None:
+            client = TritonLLMClient(server.grpc_url)
+            got = asyncio.Event()
+
+            async def consume():
+                async for _chunk in client.generate(prompt="go on forever", params=LONG):
+                    got.set()
+            task = asyncio.create_task(consume())
+            try:
+                await asyncio.wait_for(got.wait(), 60)
+                await asyncio.sleep(0.05)           # the task now awaits the next response
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                await client.wait_aborts()
+            finally:
+                await client.close()
+
+        asyncio.run(cancelled_mid_read())
+        assert_aborted_and_freed(server.metrics_url, before)
+
+        shim = start_shim(server, tmp_path)         # the same through the shim, over HTTP
+        try:
+            before = idle(server.metrics_url)
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "go on forever"}], "stream": True, **LONG}
+            with httpx.Client(timeout=60) as http:
+                with http.stream("POST", shim.url + "/v1/chat/completions", json=body, headers=AUTH) as r:
+                    lines = r.iter_lines()
+                    assert any('"content"' in next(lines) for _ in range(8))
+            assert_aborted_and_freed(server.metrics_url, before)
+        finally:
+            stop_shim(shim.proc)
+        log = server.log_path.read_text(errors="replace")
+        assert "ModelStreamInferHandler" in log          # verbose logging was on: the check can fail
+        cancels = [line for line in log.splitlines() if "Cancellation notification received" in line]
+        assert cancels == []

@@ -264,9 +264,128 @@ def test_switch_and_no_compiler_fall_back(monkeypatch):
         cpu.library.cache_clear()
 
 
-def test_bf16_models_are_not_fused():
+def test_the_c_libraries_build_where_a_compiler_is_present():
+    """Every fused-step test skips when the library is None ("no C compiler"), so a C source that
+    stops compiling would turn them all into skips: where a compiler exists, both must build."""
+    import shutil
+
+    from kernels import cpu
+
+    if not any(shutil.which(c) for c in ("cc", "gcc", "clang")) or cpu._disabled():
+        pytest.skip("no C compiler here, or TRITON_LLM_CPU_KERNELS=0")
+    assert cpu.library() is not None and decode_library() is not None
+
+
+# bf16 models (where the CPU has AVX512-BF16): the fused step reads the bf16 weights in place and
+# multiplies bf16-rounded inputs with fp32 accumulation (AMX tiles from 6 rows on, VDPBF16PS below
+# that or where K % 32 != 0: tiny's down projection, K = 688), keeping norms, residual stream and
+# attention in fp32; the torch path rounds every activation to bf16. The two are bf16 implementations
+# rounding at different points: they agree to bf16's precision, not to 1e-4 (docs/kernels.md).
+BF16_RTOL = 3e-2
+
+
+def _bf16_lib():
+    lib = decode_library()
+    if lib is None or not lib.bf16_dot_supported():
+        pytest.skip("no AVX512-BF16 on this CPU: bf16 models stay on the torch path")
+    return lib
+
+
+@pytest.fixture(scope="module", params=["tiny", "tiny-qwen2"])
+def brunner(request) -> ModelRunner:
+    _bf16_lib()
+    r = ModelRunner(str(model_dir(request.param)), EngineArgs(block_size=BLOCK, num_kv_blocks=NUM_BLOCKS,
+                                                             num_threads=1, dtype="bfloat16"))
+    assert r.fused is not None and r.fused.bf16 and r.storage.kv.dtype == torch.bfloat16
+    return r
+
+
+def _assert_bf16_close(fused: torch.Tensor, ref: torch.Tensor) -> None:
+    scale = ref.abs().max().item()
+    assert (fused - ref).abs().max().item() <= BF16_RTOL * scale
+    assert (fused - ref).abs().mean().item() <= BF16_RTOL / 6 * scale       # not one outlier: all close (~0.2 %)
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 40])
+def test_bf16_fused_step_matches_bf16_torch_path(brunner, m):
+    """Decodes at M = 1 and 3 (VDPBF16PS), 16 and 40 (AMX, 40 = three token tiles): logits and
+    stored K/V within bf16's precision of the torch path over two steps. Every step alternates the
+    torch path's oneDNN bf16 matmuls (AMX too) with the fused step on this thread: each releases
+    the tiles it configured, so neither finds a stale tile config (that faulted: SIGILL)."""
+    lengths = [random.Random(m).randrange(5, 23) for _ in range(m)]
+    seqs = prefill(brunner, lengths, seed=m)
+    for _ in range(2):
+        batch = build_batch([SeqChunk([t[-1]], len(t), tab) for t, tab in seqs], BLOCK)
+        fused, ref, kv_fused, kv_ref = both_paths(brunner, batch)
+        assert fused.shape == (m, brunner.info.vocab_size) and fused.dtype == torch.float32
+        _assert_bf16_close(fused, ref)
+        _assert_bf16_close(kv_fused.float(), kv_ref.float())
+        brunner.storage.kv.copy_(kv_fused)
+        for (t, _), tok in zip(seqs, fused.argmax(-1).tolist()):
+            t.append(tok)
+
+
+@pytest.mark.parametrize("case", ["mixed", "two-prompts", "all-logits"])
+def test_bf16_varlen_step_matches_bf16_torch_path(brunner, case):
+    """Varlen steps; "all-logits": every row of its chunks sampled (speculative verification's layout)."""
+    if case == "all-logits":
+        batch, _ = varlen_batch(brunner, [(7, 4, True), (10, 1, True), (0, 6, True)], seed=3, all_logits=True)
+        assert batch.logits_indices.shape[0] == 11
+    else:
+        batch, _ = varlen_batch(brunner, VARLEN[case], seed=len(case))
+    assert brunner.fused.accepts(batch.input_ids.shape[0], batch.seq_lens.shape[0])
+    fused, ref, kv_fused, kv_ref = both_paths(brunner, batch)
+    _assert_bf16_close(fused, ref)
+    _assert_bf16_close(kv_fused.float(), kv_ref.float())
+
+
+@pytest.mark.parametrize("shape", ["decode16", "varlen"])
+def test_bf16_thread_count_and_pool_do_not_change_the_step(brunner, shape):
+    test_thread_count_and_pool_do_not_change_the_step(brunner, shape)
+
+
+@pytest.mark.parametrize("amx", [1, 0])
+@pytest.mark.parametrize("n,k", [(1, 32), (5, 20), (16, 64), (37, 96), (130, 33), (600, 256), (4100, 64)])
+def test_bf16_linear_kernels_every_row_and_token_count(n, k, amx):
+    """``linear_bf16_test``: bf16(x) W^T (+ bias, + the residual) against float64 over the same
+    bf16 values, AMX on and off (off: VDPBF16PS tiles for every M; on: AMX from 6 tokens where K %
+    32 == 0, its N % 16 rows left to the VDPBF16PS tiles), 1 and 2 threads, bit-identical across
+    thread counts."""
+    lib = _bf16_lib()
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g)
+    lib.amx_set(amx)
+    try:
+        for m in (1, 2, 3, 4, 5, 16, 17, 33):
+            x = torch.randn(m, k, generator=g)
+            y0 = torch.randn(m, n, generator=g)
+            for bias, acc in ((None, 0), (b, 0), (b, 1)):
+                want = (x.bfloat16().double() @ w.double().T + (0 if bias is None else bias.double())
+                        + (y0.double() if acc else 0))
+                outs = []
+                for nt in (1, 2):
+                    y = y0.clone()
+                    assert lib.linear_bf16_test(x.data_ptr(), m, k, w.data_ptr(), None if bias is None else bias.data_ptr(),
+                                                n, y.data_ptr(), acc, nt) == 0
+                    outs.append(y)
+                err = (outs[0].double() - want).abs().max().item()
+                assert err <= 1e-5 * max(1.0, want.abs().max().item()), (m, bias is None, acc, err)
+                assert torch.equal(outs[0], outs[1])
+    finally:
+        lib.amx_set(1)
+
+
+def test_bf16_models_without_avx512_bf16_stay_on_the_torch_path(monkeypatch):
+    lib = decode_library()
+    if lib is None:
+        pytest.skip("no C compiler: the fused decode step is unavailable")
+    monkeypatch.setattr(lib, "bf16_dot_supported", lambda: 0)
     path = str(model_dir("tiny"))
     assert ModelRunner(path, EngineArgs(block_size=BLOCK, num_kv_blocks=8, dtype="bfloat16")).fused is None
+    monkeypatch.undo()
+    if lib.bf16_dot_supported():
+        assert ModelRunner(path, EngineArgs(block_size=BLOCK, num_kv_blocks=8, dtype="bfloat16")).fused is not None
 
 
 # Weight-only quantized models (issue 16): the fused step calls the quant library's w8_gemm / w4_gemm

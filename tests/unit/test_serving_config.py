@@ -142,3 +142,24 @@ def test_engine_model_builds_the_disaggregated_roles():
     finally:
         pre.shutdown(1.0)
         dec.shutdown(1.0)
+
+
+def test_engine_model_passes_the_busy_hold_options_to_its_response_thread():
+    """busy_stream_interval, busy_hold_steps and busy_hold_max as the engine model's parameters
+    (strings, as Triton gives them) set its response thread's hold; left out, EngineArgs' defaults."""
+    from backend.config import EngineArgs
+    from backend.serving.engine_service import build_engine_service
+    from tests.conftest import model_dir
+
+    set_ = build_engine_service(str(model_dir("tiny")), {"num_kv_blocks": "8", "busy_stream_interval": "0.08",
+                                                         "busy_hold_steps": "4.5", "busy_hold_max": "0.6"})
+    default = build_engine_service(str(model_dir("tiny")), {"num_kv_blocks": "8"})
+    try:
+        r = set_.responses
+        assert (r.busy_stream_interval, r.busy_hold_steps, r.busy_hold_max) == (0.08, 4.5, 0.6)
+        d, args = default.responses, EngineArgs()
+        assert (d.busy_stream_interval, d.busy_hold_steps, d.busy_hold_max) == \
+            (args.busy_stream_interval, args.busy_hold_steps, args.busy_hold_max)
+    finally:
+        set_.shutdown(1.0)
+        default.shutdown(1.0)

@@ -528,7 +528,7 @@ def test_busy_stream_interval_holds_only_while_many_requests_are_open(clock):
 def test_busy_hold_grows_with_the_open_streams_up_to_twice(clock):
     """About the same responses per second at any load: the hold scales with the open requests
     past busy_streams, capped at BUSY_SCALE_MAX times busy_stream_interval."""
-    svc = make_service(clock, busy_stream_interval=0.05)
+    svc = make_service(clock, busy_stream_interval=0.05, **STEP_HOLD)
     svc.responses.busy_streams = 2
     holds, responders = [], []
     for i in range(6):
@@ -544,11 +544,16 @@ def test_busy_hold_grows_with_the_open_streams_up_to_twice(clock):
     assert responders[0].ids() == [[1], [2, 3, 4]]
 
 
-def busy_service(clock, streams=32):
+# The step-following hold at 2.5 gaps up to 0.3 s, the defaults (half-integer: regular steps never
+# tie with the hold); other values through the engine options are tested below.
+STEP_HOLD = {"busy_hold_steps": 2.5, "busy_hold_max": 0.3}
+
+
+def busy_service(clock, streams=32, hold=STEP_HOLD):
     """``streams`` open streamed requests with the busy hold (0.05 s scaled by open / 16: 0.1 s
-    from 32 on), on a queue whose waits take no real time."""
+    from 32 on; ``hold``: the step-following part), on a queue whose waits take no real time."""
     q = ScriptedQueue(clock)
-    svc = make_service(clock, busy_stream_interval=0.05, q=q)
+    svc = make_service(clock, busy_stream_interval=0.05, q=q, **hold)
     rs = {f"r{i}": submit(svc, rid=f"r{i}", max_tokens=20) for i in range(streams)}
     step(svc)
     return svc, q, rs
@@ -565,7 +570,7 @@ def run_steps(svc, rs, tokens, every, last_final=False):
 
 def test_busy_hold_gathers_three_steps_when_steps_are_as_slow_as_the_hold(clock):
     """At 32 streams the busy hold is 0.1 s; steps of 0.11 s would make every token its own
-    response, so a choice's hold follows its own pace (BUSY_GAP_FACTOR = 2.5 gaps: 0.275 s):
+    response, so a choice's hold follows its own pace (busy_hold_steps = 2.5 gaps: 0.275 s):
     every response after the first token carries three steps' tokens, the stream's last tokens
     go with its final."""
     svc, q, rs = busy_service(clock)
@@ -600,10 +605,8 @@ def test_busy_step_hold_leaves_fast_steps_and_few_streams_as_they_were(clock):
 
 
 def test_busy_step_hold_is_capped(clock):
-    """Steps of 0.25 s: the hold is BUSY_HOLD_MAX (0.3 s), not 2.5 gaps, so pairs; steps of
+    """Steps of 0.25 s: the hold is busy_hold_max (0.3 s), not 2.5 gaps, so pairs; steps of
     0.35 s: longer than the cap, every token goes alone."""
-    from backend.serving.response_thread import BUSY_HOLD_MAX
-    assert BUSY_HOLD_MAX == 0.3
     svc, q, rs = busy_service(clock)
     run_steps(svc, rs, range(1, 6), 0.25)
     assert svc.responses.hold_interval(0.25) == pytest.approx(0.3)
@@ -614,3 +617,29 @@ def test_busy_step_hold_is_capped(clock):
     for r in rs2.values():
         assert r.ids() == [[1], [2], [3], [4], [5]]
     assert svc2.responses._holding == {}
+
+
+def test_busy_hold_options_gather_five_steps_up_to_their_cap(clock):
+    """busy_hold_steps 4.5, busy_hold_max 0.6 s: at 32 streams steps of 0.11 s go five to a
+    response (4.5 gaps: 0.495 s), steps of 0.17 s four (the 0.6 s cap), steps slower than the cap
+    one by one; the last tokens go with the final. The engine options' defaults are the thread's
+    (STEP_HOLD, the tests above); test_serving_config checks that the options reach the thread."""
+    from backend.config import EngineArgs
+    from backend.serving.response_thread import BUSY_HOLD_MAX, BUSY_HOLD_STEPS
+    args = EngineArgs()
+    assert (args.busy_hold_steps, args.busy_hold_max) == (BUSY_HOLD_STEPS, BUSY_HOLD_MAX)
+    assert STEP_HOLD == {"busy_hold_steps": BUSY_HOLD_STEPS, "busy_hold_max": BUSY_HOLD_MAX}
+    five = {"busy_hold_steps": 4.5, "busy_hold_max": 0.6}
+    svc, q, rs = busy_service(clock, hold=five)
+    run_steps(svc, rs, range(1, 14), 0.11, last_final=True)
+    for r in rs.values():
+        assert r.ids() == [[1], [2, 3, 4, 5, 6], [7, 8, 9, 10, 11], [12, 13]] and r.finals == 1
+    assert sum(len(r.sent) for r in rs.values()) == 32 * 4            # token by token: 32 * 13
+    svc2, _, rs2 = busy_service(clock, hold=five)
+    run_steps(svc2, rs2, range(1, 10), 0.17)
+    for r in rs2.values():
+        assert r.ids() == [[1], [2, 3, 4, 5], [6, 7, 8, 9]]
+    svc3, _, rs3 = busy_service(clock, hold=five)
+    run_steps(svc3, rs3, range(1, 4), 0.65)
+    for r in rs3.values():
+        assert r.ids() == [[1], [2], [3]]
