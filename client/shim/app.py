@@ -23,6 +23,8 @@ from client.shim.errors import from_llm_error, install_handlers
 from client.shim.format import Tally
 from client.shim.generation import collect, merged
 from client.shim.limits import BodyLimit
+from client.shim.response_store import ResponseStore
+from client.shim.responses import router as responses_router
 from client.shim.routes import router
 from client.shim.settings import ShimSettings, load_keys
 from client.shim.tenants import InFlight
@@ -85,6 +87,8 @@ def create_app(settings: ShimSettings | None = None, *, client=None) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes,   # 413 before parsing or auth
                        timeout=settings.body_timeout_s)
     app.include_router(router)
+    app.state.response_store = ResponseStore(settings.response_store_items, settings.response_store_bytes)
+    app.include_router(responses_router)                  # /v1/responses
     try:
         import client.chat as chat_page
     except ImportError as exc:

@@ -200,6 +200,10 @@ class Tally:
                                         "finish_reason": chunk.finish_reason}], **extra))
         return events
 
+    def error_event(self, err) -> str:
+        """The stream's last event when it fails after it started (its API's error shape)."""
+        return err.sse()
+
     def end_events(self) -> list[str]:
         events = []
         if self.include_usage:

@@ -18,6 +18,7 @@ from client.shim.errors import from_llm_error, model_not_found, not_ready
 from client.shim.format import Tally
 from client.shim.generation import ClientDisconnected, collect, merged, until_disconnect
 from client.shim.limits import check_prompt_chars
+from client.shim.reasoning import with_reasoning
 from client.shim.schemas import ChatCompletionRequest, CompletionRequest
 from client.shim.settings import context_window_of
 from client.shim.tools import ToolTally, parses_tool_calls
@@ -82,8 +83,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
     agens = [client.generate(messages=body.messages_json(), request_id=rid, params=params,
                              stream=body.stream)]
     tally_type = ToolTally if parses_tool_calls(body) else Tally     # tools: message.tool_calls
+    kw = {}
+    if _state(request).settings.reasoning_parser:                    # <think>: reasoning_content
+        tally_type, kw["include_reasoning"] = with_reasoning(tally_type), body.include_reasoning
     tally = tally_type(chat=True, request_id=rid, model=body.model, num_choices=body.n or 1,
-                  logprobs=bool(body.logprobs), include_usage=body.include_usage)
+                       logprobs=bool(body.logprobs), include_usage=body.include_usage, **kw)
     return await _respond(request, agens, tally, body.n or 1, body.stream, body.param_names(), slot)
 
 
@@ -166,10 +170,10 @@ async def _events(first, items, tally: Tally, param_names: dict[str, str]):
         yield pending
     except TritonLLMError as exc:
         log.warning("%s: stream failed after it started: %s", tally.id, exc)
-        yield pending + from_llm_error(exc, param_names).sse()
+        yield pending + tally.error_event(from_llm_error(exc, param_names))
     except Exception as exc:                    # noqa: BLE001 -- still end with an error event
         log.exception("%s: stream failed", tally.id)
-        yield pending + from_llm_error(InternalError(f"{type(exc).__name__}: {exc}")).sse()
+        yield pending + tally.error_event(from_llm_error(InternalError(f"{type(exc).__name__}: {exc}")))
     finally:
         await items.aclose()
 

@@ -109,6 +109,7 @@ class ChatCompletionRequest(_Generation):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: bool | None = None
+    include_reasoning: bool = True          # vLLM's: false drops the thinking (--reasoning-parser)
 
     def prompt_chars(self) -> int:
         """Characters of every message's text together (what the chat template will wrap)."""

@@ -44,6 +44,9 @@ class ShimSettings:
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S # a body still arriving after this: 408
     prompt_chars_per_token: int = DEFAULT_PROMPT_CHARS_PER_TOKEN   # prompt cap: this x the window
     stream_write_timeout_s: float = 30.0   # an SSE client that takes no bytes this long is cut off
+    reasoning_parser: str | None = None    # "deepseek_r1": <think> text -> reasoning_content (reasoning.py)
+    response_store_items: int = 1024       # /v1/responses kept for previous_response_id, per tenant
+    response_store_bytes: int = 64 << 20   # ... and their bytes, per tenant (response_store.py)
 
     @property
     def served_model(self) -> str:
@@ -149,6 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "before tokenization")
     p.add_argument("--stream-write-timeout", type=float, default=30.0,
                    help="seconds an SSE client may take no bytes before its stream is aborted")
+    p.add_argument("--reasoning-parser", default=None, choices=("deepseek_r1",),
+                   help="split <think>...</think> into reasoning_content / reasoning items")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -162,4 +167,5 @@ def settings_from_args(args: argparse.Namespace) -> ShimSettings:
                         prompt_chars_per_token=args.prompt_chars_per_token,
                         stream_write_timeout_s=args.stream_write_timeout,
                         require_api_keys=args.require_api_keys,
-                        insecure_no_api_keys=args.insecure_no_api_keys)
+                        insecure_no_api_keys=args.insecure_no_api_keys,
+                        reasoning_parser=args.reasoning_parser)
