@@ -12,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import os
 import pathlib
 import re
+import signal
 import time
 import urllib.request
 
@@ -68,14 +70,17 @@ def _sse_text(base: str, body: dict) -> str:
     return "".join(text)
 
 
+def _role_servers(role: str) -> list[dict]:
+    """The live replica tritonservers of ``role`` (their engine options say it)."""
+    return [srv for srv in replica_tritonservers()
+            if (config := pathlib.Path(srv["repo"], "engine", "config.pbtxt")).exists()
+            and re.search(r'key:\s*"role",?\s*value:\s*\{\s*string_value:\s*"' + role + '"', config.read_text())]
+
+
 def _role_metric(role: str, name: str, **labels) -> float:
-    """Sum of ``name`` over the live replica tritonservers of ``role`` (their engine options say it)."""
+    """Sum of ``name`` over the live replica tritonservers of ``role``."""
     total = 0.0
-    for srv in replica_tritonservers():
-        config = pathlib.Path(srv["repo"], "engine", "config.pbtxt")
-        if not config.exists() or not re.search(r'key:\s*"role",?\s*value:\s*\{\s*string_value:\s*"'
-                                                 + role + '"', config.read_text()):
-            continue
+    for srv in _role_servers(role):
         for line in _get(f"http://127.0.0.1:{srv['metrics_port']}/metrics").splitlines():
             if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
                 total += float(line.rsplit(" ", 1)[1])
@@ -138,7 +143,23 @@ def test_hanging_up_after_the_hand_over_aborts_in_the_decode_engine(disagg_app):
         line = resp.fp.readline()
         assert line, "the stream ended early"
         events += line.startswith(b"data: {")
-    conn.close()
+    # The decode server is frozen (SIGSTOP) while the hang-up travels (Ray's proxy, the ingress,
+    # the replica, whose explicit abort then waits in the frozen server's socket), so the stream
+    # cannot finish first however fast the host: on a fast CPU its 900 tokens used to.
+    # Ray sees a failed health check after a second frozen, and replaces a replica after three.
+    frozen = [srv["pid"] for srv in _role_servers("decode")]
+    assert frozen
+    for pid in frozen:
+        os.killpg(pid, signal.SIGSTOP)
+    try:
+        conn.close()
+        until = time.monotonic() + 2.0
+        while time.monotonic() < until and json.loads(_get(f"{disagg_app}/scale/stats"))["ongoing_primary"]:
+            time.sleep(0.05)                         # the ingress let go of the request
+        time.sleep(0.3)
+    finally:
+        for pid in frozen:
+            os.killpg(pid, signal.SIGCONT)
     deadline, gained = time.monotonic() + 60, 0.0
     while time.monotonic() < deadline and gained < 1:
         time.sleep(0.5)

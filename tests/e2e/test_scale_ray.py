@@ -14,6 +14,7 @@ cores: fractional CPUs, short generations.
 """
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -315,6 +316,28 @@ def test_a_saturated_primary_degrades_only_requests_that_opt_in(scaled):
     assert out["model"] == "tiny"                                 # no longer saturated: the primary
 
 
+def _open_streams(recs: list[dict]) -> list[dict]:
+    return [r for r in recs if "first" in r and "ended" not in r]
+
+
+def _freeze_the_busiest(base: str, servers: dict, recs: list[dict]) -> tuple[str, Counter]:
+    """Stop (SIGSTOP) the replica server with the most open streams and return it with the open
+    streams per replica once it is frozen: at least one of them is the frozen one's. A frozen
+    server sends nothing more, so its streams stay open until it is killed or continued."""
+    for _ in range(5):
+        _wait(lambda: len(_open_streams(recs)) >= 4, 60, "4 streams to be open", 0.05)
+        served = _stats(base)["served"]
+        busiest = Counter(served.get(r["id"]) for r in _open_streams(recs))
+        victim = max(servers, key=lambda rid: busiest[rid])
+        os.killpg(servers[victim]["server_pid"], signal.SIGSTOP)
+        time.sleep(0.5)                             # the chunks it had sent reach the client
+        at_kill = Counter(served.get(r["id"]) for r in _open_streams(recs))
+        if at_kill[victim]:
+            return victim, at_kill
+        os.killpg(servers[victim]["server_pid"], signal.SIGCONT)   # its streams had ended: again
+    pytest.fail(f"no replica kept an open stream through its freeze: {busiest}")
+
+
 def test_killing_a_replicas_tritonserver_under_a_16_stream_load(scaled):
     """Failover: streams the dead server had started end with an error event (never hang); every
     request that had not started completes on the other replica; Ray marks the replica unhealthy,
@@ -323,22 +346,17 @@ def test_killing_a_replicas_tritonserver_under_a_16_stream_load(scaled):
 
     servers = _replica_servers()
     assert len(servers) == 2, servers
-    # The kill must come while the victim's streams are open: as soon as 4 streams are open at the
-    # client, at the replica serving most of them. Waiting for 12 of 16 first events found the
-    # victim's 8 streams of 896 tokens finished (CI at 606081b: requests reach the replicas over
-    # seconds); the replicas' own metrics are no better a clock (a scrape under this load takes
-    # ~0.5 s and the time-to-first-token count lags the running gauge by seconds).
+    # The kill must hit open streams on any CPU, however fast: as soon as 4 streams are open at the
+    # client, the replica serving most of them is frozen (SIGSTOP on its process group), so none
+    # of its streams can end any more; once the chunks already in flight have arrived, the client
+    # sees which of its streams are still open, and only then is it killed. (Waiting for a number
+    # of first events found the victim's streams finished on a fast host: CI at 606081b and later.)
     retries_before = sum(_stats(scaled)["retries"].values())
     bodies = [_conv(i, "Failover", 896) for i in range(16)]
     recs, threads = _start(scaled, bodies)
-
-    def open_streams() -> list[dict]:
-        return [r for r in recs if "first" in r and "ended" not in r]
-    _wait(lambda: len(open_streams()) >= 4, 60, "4 streams to be open", 0.05)
-    served = _stats(scaled)["served"]
-    at_kill = Counter(served.get(r["id"]) for r in open_streams())   # open streams per replica
-    victim = max(servers, key=lambda rid: at_kill[rid])
-    os.killpg(servers[victim]["server_pid"], signal.SIGKILL)   # the server's own process group
+    victim, at_kill = _freeze_the_busiest(scaled, servers, recs)
+    with contextlib.suppress(ProcessLookupError):         # Ray may have stopped the frozen one first
+        os.killpg(servers[victim]["server_pid"], signal.SIGKILL)   # the server's own process group
     t_kill = time.monotonic()
     # Right after the kill, before any health check: the same conversations again (affinity sends
     # about half to the dead replica), none started yet.

@@ -1,7 +1,7 @@
 """Stalled SSE readers against the real stack: raw sockets that send a streaming request and never
 read. The shim's writes block once the socket buffers are full; after the write timeout it cuts
-each stream off and aborts its generation, so the engine frees the blocks (the aborted counter
-rises, KV usage returns to idle) and the shim's memory stays bounded."""
+each stream off and aborts its generation if it is still running, so the engine frees the blocks
+(every choice ends, KV usage returns to idle) and the shim's memory stays bounded."""
 from __future__ import annotations
 
 import json
@@ -19,6 +19,7 @@ pytestmark = pytest.mark.e2e
 ABORTED = "llm_requests_aborted_total"
 KV = "llm_kv_cache_usage_ratio"
 RUNNING = "llm_num_requests_running"
+FINISHED = "llm_requests_finished_total"
 WRITE_TIMEOUT = 2.0
 READERS = 6
 # Chat chunks with 20 top logprobs are ~2 KB per token, so each request makes megabytes of SSE:
@@ -52,27 +53,39 @@ def rss_mb(pid: int) -> float:
     return psutil.Process(pid).memory_info().rss / 2 ** 20
 
 
-def test_stalled_readers_are_aborted_and_memory_stays_bounded(slow_shim):
+def cut_offs(shim) -> int:
+    return shim.log().count("stream aborted")
+
+
+def test_stalled_readers_are_cut_off_their_generation_ends_and_memory_stays_bounded(slow_shim):
+    """Each stalled stream is cut off by the shim; a request still generating then is aborted, one
+    that had finished (a fast host finishes some within the write timeout) has nothing left to
+    stop: either way every choice ends, KV returns to idle, and the shim's memory stays bounded.
+    The test counts what happened instead of betting on which of the two it was."""
     m = slow_shim.metrics_url
     assert wait_metric(m, RUNNING, lambda v: v == 0, timeout=60) == 0
     ref = httpx.post(slow_shim.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
                      json={"model": MODEL, "prompt": "reference", "max_tokens": 8, "temperature": 0},
                      timeout=60).json()["choices"][0]["text"]
     rss_before = rss_mb(slow_shim.proc.pid)
-    aborted_before = metric(m, ABORTED)
+    aborted_before, finished_before, cuts_before = metric(m, ABORTED), metric(m, FINISHED), cut_offs(slow_shim)
     start = time.monotonic()
     socks = [stalled(slow_shim.url) for _ in range(READERS)]
     peak = rss_before
     try:
         deadline = time.monotonic() + 150
-        while metric(m, ABORTED) < aborted_before + READERS and time.monotonic() < deadline:
+        while cut_offs(slow_shim) < cuts_before + READERS and time.monotonic() < deadline:
             peak = max(peak, rss_mb(slow_shim.proc.pid))
             time.sleep(0.5)
         took = time.monotonic() - start
-        aborted = metric(m, ABORTED) - aborted_before
-        assert aborted >= READERS, f"only {aborted} of {READERS} stalled streams were aborted"
-        assert wait_metric(m, KV, lambda v: v == 0, timeout=60) == 0      # generous: loaded CI host
+        assert cut_offs(slow_shim) - cuts_before == READERS, slow_shim.log()[-2000:]
         assert wait_metric(m, RUNNING, lambda v: v == 0, timeout=60) == 0
+        assert wait_metric(m, KV, lambda v: v == 0, timeout=60) == 0      # generous: loaded CI host
+        # every choice of every stalled request ended ("length", or "abort" when it was cut first)
+        choices = READERS * BODY["n"]
+        finished = wait_metric(m, FINISHED, lambda v: v >= finished_before + choices, timeout=60)
+        assert finished - finished_before == choices
+        assert metric(m, ABORTED) - aborted_before <= READERS
         # every stalled connection was closed by the shim: draining it ends in EOF
         for s in socks:
             s.settimeout(60)
@@ -81,10 +94,9 @@ def test_stalled_readers_are_aborted_and_memory_stays_bounded(slow_shim):
     finally:
         for s in socks:
             s.close()
-    print(f"\n{READERS} stalled readers: all aborted after {took:.1f} s; shim RSS "
+    print(f"\n{READERS} stalled readers: all cut off after {took:.1f} s; shim RSS "
           f"{rss_before:.0f} MB -> peak {peak:.0f} MB")
     assert peak - rss_before < 150, (rss_before, peak)
-    assert "stream aborted" in slow_shim.log()
     again = httpx.post(slow_shim.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
                        json={"model": MODEL, "prompt": "reference", "max_tokens": 8, "temperature": 0},
                        timeout=60).json()["choices"][0]["text"]
