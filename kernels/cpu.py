@@ -8,12 +8,18 @@ call, so the engine's response thread runs meanwhile.
 
 Cache: ``build/kernels/paged_cpu-<hash>.so`` where the hash covers the source, the compiler flags
 and this CPU's flags (``-march=native`` code must not run on another CPU), or
-``$TRITON_LLM_KERNEL_CACHE``. ``TRITON_LLM_CPU_KERNELS=0`` turns the kernels off.
+``$TRITON_LLM_KERNEL_CACHE``; where the repository is not writable, ``~/.cache/triton_llm/kernels``.
+Why the checks: ``ctypes.CDLL`` runs a library's constructors in this process, so a library another
+user could plant or change is code execution as us. The folder must be owned by this user and is
+made (or tightened to) mode 0700; a folder owned by someone else is refused, and a cached library
+is loaded only if it is ours and not group/other-writable (else rebuilt). No predictable shared
+``/tmp`` path: with no usable folder the kernels are off (the torch path). ``TRITON_LLM_CPU_KERNELS=0``
+turns the kernels off.
 
 :func:`decode_library` is the second library: ``csrc/decode_cpu.c`` (a whole model step, decodes
 and short prefill chunks, in one call; used by backend/model/fused_decode.py) linked with
-``paged_cpu.c``, built with OpenMP (torch's own ``libgomp`` serves it at run time) or, if that
-fails, without.
+``paged_cpu.c`` and ``bf16_avx2.c``, built with OpenMP (torch's own ``libgomp`` serves it at run
+time) or, if that fails, without.
 """
 from __future__ import annotations
 
@@ -25,14 +31,15 @@ import os
 import pathlib
 import platform
 import shutil
+import stat
 import subprocess
-import tempfile
 
 import torch
 
 log = logging.getLogger("triton_llm.kernels")
 SOURCE = pathlib.Path(__file__).with_name("csrc") / "paged_cpu.c"
 DECODE_SOURCE = SOURCE.with_name("decode_cpu.c")
+DECODE_EXTRA = (SOURCE, SOURCE.with_name("bf16_avx2.c"))    # linked into the decode library
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC"]
 DECODE_FLAGS = [["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"], FLAGS]   # first that builds
 _P = ctypes.c_void_p
@@ -49,18 +56,53 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _cache_dir() -> pathlib.Path:
-    env = os.environ.get("TRITON_LLM_KERNEL_CACHE")
-    if env:
-        return pathlib.Path(env)
-    repo_build = pathlib.Path(__file__).resolve().parents[1] / "build" / "kernels"
+def _private_dir(d: pathlib.Path, uid: int | None = None) -> bool:
+    """Make ``d`` (if missing) and check it is a real folder owned by ``uid`` (this user); tighten
+    it to 0700. False (and a warning) when it cannot be made or belongs to someone else."""
+    uid = os.geteuid() if uid is None else uid
     try:
-        repo_build.mkdir(parents=True, exist_ok=True)
-        if os.access(repo_build, os.W_OK):
-            return repo_build
+        d.mkdir(parents=True, mode=0o700, exist_ok=True)
+        st = os.lstat(d)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid:
+            log.warning("kernel cache %s is not a folder owned by uid %d: not used", d, uid)
+            return False
+        if stat.S_IMODE(st.st_mode) != 0o700:
+            os.chmod(d, 0o700)
+        return True
+    except OSError as exc:
+        log.warning("kernel cache %s unusable: %s", d, exc)
+        return False
+
+
+def _cache_dir(uid: int | None = None) -> pathlib.Path | None:
+    """The compiled-kernel folder (module docstring), or None: no private folder to be had."""
+    env = os.environ.get("TRITON_LLM_KERNEL_CACHE")
+    if env:                     # the user's explicit choice: that folder or none
+        return pathlib.Path(env) if _private_dir(pathlib.Path(env), uid) else None
+    for d in (pathlib.Path(__file__).resolve().parents[1] / "build" / "kernels",
+              pathlib.Path.home() / ".cache" / "triton_llm" / "kernels"):
+        if _private_dir(d, uid):
+            return d
+    return None
+
+
+def _trusted(lib: pathlib.Path, uid: int | None = None) -> bool:
+    """A library we may load: a regular file owned by ``uid`` and writable by no one else, in a
+    folder owned by ``uid`` with mode 0700."""
+    uid = os.geteuid() if uid is None else uid
+    try:
+        d, f = os.lstat(lib.parent), os.lstat(lib)
     except OSError:
-        pass
-    return pathlib.Path(tempfile.gettempdir()) / "triton_llm_kernels"
+        return False
+    return (stat.S_ISDIR(d.st_mode) and d.st_uid == uid and stat.S_IMODE(d.st_mode) == 0o700
+            and stat.S_ISREG(f.st_mode) and f.st_uid == uid and not f.st_mode & 0o022)
+
+
+def load_library(path: pathlib.Path) -> ctypes.CDLL:
+    """``ctypes.CDLL`` of a library in the kernel cache, after :func:`_trusted`; OSError if not."""
+    if not _trusted(path):
+        raise OSError(f"refusing to load {path}: not owned by this user in a private (0700) folder")
+    return ctypes.CDLL(str(path))
 
 
 def _disabled() -> bool:
@@ -78,16 +120,19 @@ def _build(source: pathlib.Path = SOURCE, flags: list[str] = FLAGS,
     key = hashlib.sha256(source.read_bytes() + b"".join(p.read_bytes() for p in (*extra, *headers))
                          + " ".join(flags).encode() + _cpu_flags().encode()
                          + platform.machine().encode()).hexdigest()[:16]
-    out = _cache_dir() / f"{source.stem}-{key}.so"
-    if out.exists():
+    cache = _cache_dir()
+    if cache is None:
+        return None
+    out = cache / f"{source.stem}-{key}.so"
+    if out.exists() and _trusted(out):
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}")
+    tmp = out.with_name(f".{out.name}.{os.getpid()}")       # a stale or foreign file is replaced
     proc = subprocess.run([cc, *flags, "-o", str(tmp), str(source), *map(str, extra), "-lm"],
                           capture_output=True, text=True)
     if proc.returncode != 0:
         log.warning("CPU kernel %s did not build (torch fallback): %s", source.name, proc.stderr[-500:])
         return None
+    os.chmod(tmp, 0o700)            # whatever the umask: writable by no one else (_trusted)
     os.replace(tmp, out)            # atomic: processes building at once each publish a whole file
     return out
 
@@ -101,7 +146,7 @@ def library():
         path = _build()
         if path is None:
             return None
-        lib = ctypes.CDLL(str(path))
+        lib = load_library(path)
     except OSError as exc:
         log.warning("CPU attention kernel unavailable (torch fallback): %s", exc)
         return None
@@ -162,28 +207,31 @@ def decode_library():
         return None
     for flags in DECODE_FLAGS:
         try:
-            path = _build(DECODE_SOURCE, flags, extra=(SOURCE,))
+            path = _build(DECODE_SOURCE, flags, extra=DECODE_EXTRA)
             if path is None:
                 continue
-            lib = ctypes.CDLL(str(path))
+            return load_decode(path)
         except OSError as exc:
             log.warning("fused CPU decode library did not load with %s: %s", flags, exc)
-            continue
-        lib.step_forward.argtypes = [_P, _I, _I, _P, _P, _P, _P, _P, _P, _I, _I, _P, _P, _P, ctypes.c_int]
-        lib.step_forward.restype = ctypes.c_int
-        lib.decode_scratch_floats.argtypes = [_P, _I]
-        lib.decode_scratch_floats.restype = _I
-        lib.linear_f32.argtypes = [_P, _I, _I, _P, _P, _I, _P, ctypes.c_int, ctypes.c_int]
-        lib.linear_f32.restype = None
-        lib.step_pool_set.argtypes = [ctypes.c_int]
-        lib.step_pool_set.restype = None
-        lib.bf16_dot_supported.argtypes = []
-        lib.bf16_dot_supported.restype = ctypes.c_int
-        lib.amx_supported.argtypes = []
-        lib.amx_supported.restype = ctypes.c_int
-        lib.amx_set.argtypes = [ctypes.c_int]
-        lib.amx_set.restype = None
-        lib.linear_bf16_test.argtypes = [_P, _I, _I, _P, _P, _I, _P, ctypes.c_int, ctypes.c_int]
-        lib.linear_bf16_test.restype = ctypes.c_int
-        return lib
     return None
+
+
+def load_decode(path: pathlib.Path):
+    """The decode library at ``path`` (a cache entry) with its signatures declared."""
+    lib = load_library(path)
+    lib.step_forward.argtypes = [_P, _I, _I, _P, _P, _P, _P, _P, _P, _I, _I, _P, _P, _P, ctypes.c_int]
+    lib.step_forward.restype = ctypes.c_int
+    lib.decode_scratch_floats.argtypes = [_P, _I]
+    lib.decode_scratch_floats.restype = _I
+    lib.linear_f32.argtypes = [_P, _I, _I, _P, _P, _I, _P, ctypes.c_int, ctypes.c_int]
+    lib.linear_f32.restype = None
+    lib.step_pool_set.argtypes = [ctypes.c_int]
+    lib.step_pool_set.restype = None
+    for name in ("bf16_dot_supported", "bf16_avx2_supported", "bf16_supported", "amx_supported"):
+        getattr(lib, name).argtypes = []
+        getattr(lib, name).restype = ctypes.c_int
+    lib.amx_set.argtypes = [ctypes.c_int]
+    lib.amx_set.restype = None
+    lib.linear_bf16_test.argtypes = [_P, _I, _I, _P, _P, _I, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    lib.linear_bf16_test.restype = ctypes.c_int
+    return lib

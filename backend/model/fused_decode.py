@@ -16,11 +16,12 @@ CPU, fp32 weights, an fp32 KV cache or a half one (``kv_cache_dtype`` fp16 / bf1
 as stored, read back widened to fp32), projections that are plain :class:`~backend.model.llama.Linear`
 or int8/int4 :class:`~backend.quant.linear.QuantLinear` (incl. a quantized lm_head, ``lm_head_q``;
 those call the quant library's ``w8_gemm``/``w4_gemm`` through their addresses, so they compute what
-QuantLinear computes) -- or a bf16 model (every weight bf16) on a CPU with AVX512-BF16 (the library's
-``bf16_dot_supported()``): its projections, lm_head and embedding are read in place as bf16, inputs
-rounded to bf16 and multiplied on AMX tiles (from 6 tokens, where Linux grants the tile state;
-``TRITON_LLM_AMX=0`` turns them off) or VDPBF16PS tiles with fp32 accumulation, the rest of the step
-in fp32 (fp32 copies of the norm weights and biases) --, the torch attention backend, the C library built (``kernels.cpu.decode_library``),
+QuantLinear computes) -- or a bf16 model (every weight bf16) on a CPU with AVX512-BF16 or AVX2 + FMA
+(the library's ``bf16_supported()``): its projections, lm_head and embedding are read in place as
+bf16, inputs rounded to bf16 and multiplied with fp32 accumulation on AMX tiles (from 6 tokens, where
+Linux grants the tile state; ``TRITON_LLM_AMX=0`` turns them off) or VDPBF16PS tiles, or, without
+AVX512-BF16, AVX2 tiles that widen the bf16 weights in registers (kernels/csrc/bf16_avx2.c), the
+rest of the step in fp32 (fp32 copies of the norm weights and biases) --, the torch attention backend, the C library built (``kernels.cpu.decode_library``),
 and ``TRITON_LLM_FUSED_DECODE`` not ``0`` (that switches all of it off). Per step,
 :meth:`FusedDecoder.accepts` takes every all-decode batch and a batch with prefill chunks of at most
 ``TRITON_LLM_FUSED_MAX_TOKENS`` new tokens (default :data:`MAX_TOKENS`; 0 = all-decode steps only).
@@ -75,7 +76,7 @@ class _Model(ctypes.Structure):
                 + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
                 + [(n, _P) for n in ("embed", "norm", "lm_head", "cos", "sin", *_LAYER_FIELDS, "sgemm",
                                      "qw", "head_q", "w8", "w4")]
-                + [("kv_dtype", _I), ("embed_dtype", _I)])
+                + [("kv_dtype", _I), ("embed_dtype", _I), ("bf16_avx2", _I)])
 _KV_DTYPE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}   # KV_F32 / KV_F16 / KV_BF16
 
 
@@ -142,13 +143,16 @@ def _bf16(t: torch.Tensor | None) -> bool:
 
 class FusedDecoder:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 block_size: int, lib):
+                 block_size: int, lib, bf16_avx2: bool = False):
+        """``bf16_avx2``: a bf16 model's linears on the AVX2 kernels even where the CPU has
+        AVX512-BF16 (tests and A/B tools pin that variant on such hosts; without AVX512-BF16 the
+        library uses them anyway)."""
         cfg, rot = model.cfg, model.rotary
         self._lib = lib
         self._keep = []           # ctypes pointer arrays the struct points into
         layers = model.model.layers
-        # A bf16 model: its projections, lm_head and embedding are read in place as bf16 (AMX or
-        # VDPBF16PS tiles); the norm weights and biases, small, get fp32 copies for the fp32 rest of the step.
+        # A bf16 model: its projections, lm_head and embedding are read in place as bf16 (AMX,
+        # VDPBF16PS or AVX2 tiles); the norm weights and biases, small, get fp32 copies for the fp32 rest of the step.
         self.bf16 = model.model.embed_tokens.dtype == torch.bfloat16
 
         def w(mod):                 # fp32 weight, or None for a QuantLinear / bf16 one (read through qw)
@@ -200,7 +204,7 @@ class FusedDecoder:
             embed=model.model.embed_tokens.data_ptr(), norm=norm.data_ptr(),
             lm_head=None if self.bf16 else model.lm_head_weight().data_ptr(), cos=rot.cos.data_ptr(),
             sin=rot.sin.data_ptr(), sgemm=sgemm, kv_dtype=_KV_DTYPE[kv_caches[0][0].dtype],
-            embed_dtype=_KV_DTYPE[model.model.embed_tokens.dtype], **arrays, **quant)
+            embed_dtype=_KV_DTYPE[model.model.embed_tokens.dtype], bf16_avx2=int(bf16_avx2), **arrays, **quant)
         self._tensors = {**per_layer, "norm": [norm]}   # the pointers above stay valid while these live
         self._vocab = cfg.vocab_size
         self._scratch = torch.empty(0)
@@ -280,7 +284,7 @@ def make_fused_decoder(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tens
     lib = decode_library()
     if lib is None:
         return None
-    if bf16 and not lib.bf16_dot_supported():
-        return None                                       # no AVX512-BF16: the torch path (oneDNN)
+    if bf16 and not lib.bf16_supported():
+        return None                                       # neither AVX512-BF16 nor AVX2 + FMA: the torch path
     log.info("fused CPU decode step on (kernels/csrc/decode_cpu.c%s)", ", bf16 weights" if bf16 else "")
     return FusedDecoder(model, kv_caches, block_size, lib)

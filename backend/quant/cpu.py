@@ -45,12 +45,12 @@ _P, _I, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 def library():
     if os.environ.get("TRITON_LLM_CPU_KERNELS", "1").lower() in ("0", "false", "off", "no"):
         return None
-    from kernels.cpu import _build
+    from kernels.cpu import _build, load_library
 
     path = _build(SOURCE, FLAGS)
     if path is None:
         return None
-    lib = ctypes.CDLL(str(path))
+    lib = load_library(path)       # owner / mode checked (kernels/cpu.py)
     for fn in (lib.w8_gemm, lib.w8_gemm_f32a, lib.w8_gemm_a16):
         fn.argtypes = [_P, _I, _I, _I, _P, _P, _I, _P, _I, _P, _I, _C]
         fn.restype = None

@@ -34,10 +34,12 @@
  * pointers the caller passes, so they compute exactly what QuantLinear computes on the torch path.
  * The residual projections (o, down) write into the free ``xn`` rows and are added to h after.
  *
- * bf16 models (where the CPU has AVX512-BF16): a projection of kind Q_BF16 (and ``head_q`` for the
+ * bf16 models (AVX512-BF16 or AVX2 + FMA): a projection of kind Q_BF16 (and ``head_q`` for the
  * lm_head) is the model's own bf16 weight [N, K]; its input rows are rounded to bf16 (RNE) and
  * multiplied on AMX tiles (TDPBF16PS, from AMX_MIN_M rows) or with VDPBF16PS (pairs of bf16
- * products summed into fp32 lanes), the matmul a bf16 torch Linear does through oneDNN. The
+ * products summed into fp32 lanes), the matmul a bf16 torch Linear does through oneDNN; without
+ * AVX512-BF16 (or with the Model's bf16_avx2 flag) by bf16_avx2.c's tiles, which widen the weights
+ * in AVX2 registers (same contract, fp32 FMAs). The
  * embedding rows are bf16 too (``embed_dtype``); the rest of the step (norms, RoPE, residual
  * stream, attention over a bf16 KV cache, SiLU) stays fp32, with the caller's fp32 copies of the
  * norm weights and biases.
@@ -69,6 +71,11 @@ int attend_bf16(const float *q, const uint16_t *kc, const uint16_t *vc, const in
                 int64_t table_stride, const int64_t *rows, const int32_t *seq, const int32_t *ctx,
                 int64_t nrows, int64_t hq, int64_t hkv, int64_t d, int64_t bs, float scale, float *out);
 void f32_to_half(const float *x, uint16_t *out, int64_t n, int kind);
+/* bf16_avx2.c: bf16 weights widened in AVX2 registers (every x86-64 host with AVX2 + FMA) */
+int bf16_avx2_supported(void);
+void bf16_avx2_inputs(const float *x, int64_t M, int64_t K, float *xr);
+void bf16_avx2_rows(const float *x, int64_t M, int64_t K, const uint16_t *W, const float *bias, int64_t N,
+                    float *y, int acc, int64_t n0, int64_t n1);
 
 typedef void (*w8_fn)(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *w,
                       const uint16_t *scales, int64_t G, const float *bias, int64_t N, float *y,
@@ -102,6 +109,7 @@ typedef struct {
     w4_fn w4;
     int64_t kv_dtype;               /* KV cache element (kv_cache_dtype): KV_F32, KV_F16 or KV_BF16 */
     int64_t embed_dtype;            /* KV_F32 (fp32 rows) or KV_BF16 (bf16 rows: a bf16 model) */
+    int64_t bf16_avx2;              /* 1: bf16 linears on the AVX2 kernels even where VDPBF16PS runs */
 } Model;
 enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
 
@@ -698,40 +706,60 @@ int amx_supported(void) {
 
 void amx_set(int on) { amx_state = on ? -1 : 0; }
 
-/* y [M, N] (+)= bf16(x) [M, K] W^T + bias with W bf16 [N, K]; xb: bf16_input_elems(M, K). Chunks
- * as linear(). Without AVX512-BF16 this is never called (bf16_dot_supported() is 0: the caller
- * keeps such models on the torch path). */
+typedef struct {
+    const float *x; int64_t M, K; const uint16_t *W; const float *bias; int64_t N; float *y; int acc; int64_t C;
+} ALinearJob;
+
+static void alinear_chunk(void *p, int64_t c) {
+    const ALinearJob *j = p;
+    bf16_avx2_rows(j->x, j->M, j->K, j->W, j->bias, j->N, j->y, j->acc, j->N * c / j->C, j->N * (c + 1) / j->C);
+}
+
+/* y [M, N] (+)= bf16(x) [M, K] W^T + bias with W bf16 [N, K]; xb: bf16_input_elems(M, K) (>= 2 M K:
+ * room for the AVX2 kernels' M K rounded fp32 inputs too). AVX512-BF16 (AMX from AMX_MIN_M rows)
+ * unless avx2 is set or the CPU lacks it; then the AVX2 kernels (bf16_avx2.c), same contract. */
 static void linear_bf16(const float *x, int64_t M, int64_t K, const uint16_t *W, const float *bias,
-                        int64_t N, float *y, int acc, uint16_t *xb, int nt) {
-#ifdef HAVE_BF16_DOT
-    f32_to_half(x, xb, M * K, KV_BF16);                 /* RNE, as torch's .to(bfloat16) */
+                        int64_t N, float *y, int acc, uint16_t *xb, int nt, int avx2) {
     const int T = linear_threads(nt, M, N, K);
+#ifdef HAVE_BF16_DOT
+    if (!avx2) {
+        f32_to_half(x, xb, M * K, KV_BF16);             /* RNE, as torch's .to(bfloat16) */
 #ifdef HAVE_AMX
-    if (M >= AMX_MIN_M && K % 32 == 0 && N >= 16 && amx_supported()) {
-        uint32_t *xv = (uint32_t *)(xb + ((M * K + 31) & ~(int64_t)31));   /* bf16_input_elems' layout */
-        to_vnni(xb, M, K, xv);
-        const int64_t NB = N / 16, C = linear_chunks(T, N);                  /* chunks of 16-row blocks */
-        AmxJob aj = {xv, M, K, W, bias, N, y, acc, NB, C < NB ? C : NB};
-        par_for(T, aj.C, amx_chunk, &aj, 0);
-        if (NB * 16 < N) {                                /* the last N % 16 rows */
-            linear_rows_bf16(xb, M, K, W, bias, N, y, acc, NB * 16, N);
+        if (M >= AMX_MIN_M && K % 32 == 0 && N >= 16 && amx_supported()) {
+            uint32_t *xv = (uint32_t *)(xb + ((M * K + 31) & ~(int64_t)31));   /* bf16_input_elems' layout */
+            to_vnni(xb, M, K, xv);
+            const int64_t NB = N / 16, C = linear_chunks(T, N);                  /* chunks of 16-row blocks */
+            AmxJob aj = {xv, M, K, W, bias, N, y, acc, NB, C < NB ? C : NB};
+            par_for(T, aj.C, amx_chunk, &aj, 0);
+            if (NB * 16 < N) {                                /* the last N % 16 rows */
+                linear_rows_bf16(xb, M, K, W, bias, N, y, acc, NB * 16, N);
+            }
+            return;
         }
+#endif
+        BLinearJob j = {xb, M, K, W, bias, N, y, acc, linear_chunks(T, N)};
+        par_for(T, j.C, blinear_chunk, &j, 0);
         return;
     }
 #endif
-    BLinearJob j = {xb, M, K, W, bias, N, y, acc, linear_chunks(T, N)};
-    par_for(T, j.C, blinear_chunk, &j, 0);
-#else
-    (void)x; (void)M; (void)K; (void)W; (void)bias; (void)N; (void)y; (void)acc; (void)xb; (void)nt;
-#endif
+    (void)avx2;
+    float *xr = (float *)xb;                             /* 64-byte aligned by the callers */
+    bf16_avx2_inputs(x, M, K, xr);
+    ALinearJob j = {xr, M, K, W, bias, N, y, acc, linear_chunks(T, N)};
+    par_for(T, j.C, alinear_chunk, &j, 0);
 }
 
-/* bf16 linear alone, for tests: y [M, N] (+)= bf16(x) W^T + bias; -1 without AVX512-BF16 or memory. */
+/* 1: a bf16 model can take the fused step on this CPU (VDPBF16PS or AVX2 + FMA). */
+int bf16_supported(void) { return bf16_dot_supported() || bf16_avx2_supported(); }
+
+/* bf16 linear alone, for tests: y [M, N] (+)= bf16(x) W^T + bias; avx2: the AVX2 kernels even
+ * where VDPBF16PS runs. -1 where the CPU has neither (or avx2 is asked without AVX2) or no memory. */
 int linear_bf16_test(const float *x, int64_t M, int64_t K, const uint16_t *W, const float *bias, int64_t N,
-                     float *y, int acc, int nt) {
-    uint16_t *xb = malloc(sizeof(uint16_t) * (size_t)bf16_input_elems(M, K));
-    if (!xb || !bf16_dot_supported()) { free(xb); return -1; }
-    linear_bf16(x, M, K, W, bias, N, y, acc, xb, nt);
+                     float *y, int acc, int nt, int avx2) {
+    if (avx2 ? !bf16_avx2_supported() : !bf16_supported()) return -1;
+    uint16_t *xb = aligned_alloc(64, (sizeof(uint16_t) * (size_t)bf16_input_elems(M, K) + 63) & ~(size_t)63);
+    if (!xb) return -1;
+    linear_bf16(x, M, K, W, bias, N, y, acc, xb, nt, avx2 || !bf16_dot_supported());
     free(xb);
     return 0;
 }
@@ -742,7 +770,10 @@ int linear_bf16_test(const float *x, int64_t M, int64_t K, const uint16_t *W, co
 static void linear_q(const Model *m, const QW *q, const float *x, int64_t M, int64_t K, const float *W,
                      const float *bias, int64_t N, float *y, int acc, float *tmp, uint16_t *xb, int nt) {
     if (!q || q->kind == Q_F32) { linear(m, x, M, K, W, bias, N, y, acc, nt); return; }
-    if (q->kind == Q_BF16) { linear_bf16(x, M, K, (const uint16_t *)q->w, bias, N, y, acc, xb, nt); return; }
+    if (q->kind == Q_BF16) {
+        linear_bf16(x, M, K, (const uint16_t *)q->w, bias, N, y, acc, xb, nt, m->bf16_avx2 || !bf16_dot_supported());
+        return;
+    }
     float *out = acc ? tmp : y;
     /* The quant library threads with OpenMP regions (a barrier each): the old, higher threshold. */
     const int t = nt > 1 && M * N * K >= QUANT_PAR_MIN_MACS ? nt : 1;

@@ -32,15 +32,29 @@ def test_auto_dtype_cuda_and_this_machine(tmp_path):
         parse_dtype("fp8")
 
 
+@pytest.mark.parametrize("kernels", ["best", "avx2"])
 @pytest.mark.parametrize("preset", ["tiny", "tiny-qwen2"])
-def test_bf16_matches_transformers_bf16(preset):
-    """Prefill logits close to transformers' in bf16; on tiny, 8 greedy tokens equal to its generate."""
+def test_bf16_matches_transformers_bf16(preset, kernels):
+    """Prefill logits close to transformers' in bf16; on tiny, 8 greedy tokens equal to its generate.
+    The bf16 fused step wherever the CPU has a bf16 kernel set (AVX512-BF16 or AVX2 + FMA: every
+    x86-64 host since Haswell); "avx2" pins its AVX2 kernels (kernels/csrc/bf16_avx2.c) where the
+    CPU would pick VDPBF16PS / AMX."""
     from transformers import AutoModelForCausalLM
+
+    from backend.model.fused_decode import FusedDecoder
+    from kernels.cpu import decode_library
 
     path = model_dir(preset)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     runner = make_runner(path, dtype="bfloat16")
     assert runner.storage.k_cache(0).dtype == torch.bfloat16
+    lib = decode_library()
+    if lib is not None and lib.bf16_supported():
+        assert runner.fused is not None and runner.fused.bf16
+    if kernels == "avx2":
+        if lib is None or not lib.bf16_avx2_supported():
+            pytest.skip("no AVX2 + FMA (or no C compiler): no AVX2 bf16 kernels")
+        runner.fused = FusedDecoder(runner.model, runner.kv_caches, BLOCK, lib, bf16_avx2=True)
     seqs = prompts(runner.info.vocab_size, [9, 14], seed=3)
     blocks = Blocks(seed=4)
     tables = [blocks.take(len(s) + 8) for s in seqs]

@@ -367,7 +367,7 @@ def test_bf16_linear_kernels_every_row_and_token_count(n, k, amx):
                 for nt in (1, 2):
                     y = y0.clone()
                     assert lib.linear_bf16_test(x.data_ptr(), m, k, w.data_ptr(), None if bias is None else bias.data_ptr(),
-                                                n, y.data_ptr(), acc, nt) == 0
+                                                n, y.data_ptr(), acc, nt, 0) == 0
                     outs.append(y)
                 err = (outs[0].double() - want).abs().max().item()
                 assert err <= 1e-5 * max(1.0, want.abs().max().item()), (m, bias is None, acc, err)
@@ -376,15 +376,17 @@ def test_bf16_linear_kernels_every_row_and_token_count(n, k, amx):
         lib.amx_set(1)
 
 
-def test_bf16_models_without_avx512_bf16_stay_on_the_torch_path(monkeypatch):
+def test_bf16_models_without_bf16_kernels_stay_on_the_torch_path(monkeypatch):
+    """A CPU with neither AVX512-BF16 nor AVX2 + FMA (``bf16_supported()`` 0): the torch path; with
+    either, the fused step (AVX2 hosts included, tests/unit/test_fused_bf16_avx2.py)."""
     lib = decode_library()
     if lib is None:
         pytest.skip("no C compiler: the fused decode step is unavailable")
-    monkeypatch.setattr(lib, "bf16_dot_supported", lambda: 0)
+    monkeypatch.setattr(lib, "bf16_supported", lambda: 0)
     path = str(model_dir("tiny"))
     assert ModelRunner(path, EngineArgs(block_size=BLOCK, num_kv_blocks=8, dtype="bfloat16")).fused is None
     monkeypatch.undo()
-    if lib.bf16_dot_supported():
+    if lib.bf16_supported():
         assert ModelRunner(path, EngineArgs(block_size=BLOCK, num_kv_blocks=8, dtype="bfloat16")).fused is not None
 
 
