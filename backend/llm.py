@@ -1,4 +1,5 @@
-"""Offline API in vLLM's shape: ``LLM(model_dir, **engine_options).generate(prompts, params)``."""
+"""Offline API in vLLM's shape: ``LLM(model_dir, **engine_options).generate(prompts, params)`` and
+``.embed(prompts)`` (pooled final hidden states, backend/engine/embedding.py)."""
 from __future__ import annotations
 
 import itertools
@@ -7,9 +8,11 @@ from typing import Any, Sequence
 from backend.config import EngineArgs
 from backend.detokenizer import decode_delta
 from backend.engine.admission import validate_request
+from backend.engine.embedding import validate_embed
 from backend.engine.llm_engine import LLMEngine
 from backend.errors import EngineError, ErrorKind
-from backend.outputs import CompletionOutput, RequestOutput, StepDelta
+from backend.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, StepDelta
+from backend.pooling_params import PoolingParams
 from backend.sampling_params import SamplingParams
 
 
@@ -63,6 +66,35 @@ class LLM:
         if bar is not None:
             bar.close()
         return [self._output(rid, toks, p, finals[rid]) for rid, toks, p in zip(ids, prompt_ids, params)]
+
+    def embed(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
+              pooling_params: PoolingParams | None = None) -> list[EmbeddingRequestOutput]:
+        """One vector per prompt, in order (``out.outputs.embedding``), through the same engine
+        steps as generation. Invalid input raises EngineError (invalid_request) before anything runs."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompt_ids = [self._encode(p) for p in prompts]
+        pooling = pooling_params or PoolingParams()
+        ids = [f"embed-{next(self._ids)}" for _ in prompt_ids]
+        finals: dict[str, StepDelta] = {}
+        todo = list(zip(ids, prompt_ids))[::-1]
+        engine = self.engine
+        for rid, toks in todo:                   # all-or-nothing: validate before the first add
+            validate_embed(engine.limits, engine.pooling_config, rid, toks, pooling)
+        while todo or engine.has_unfinished():
+            while todo:
+                rid, toks = todo[-1]
+                try:
+                    engine.add_request(rid, toks, stream=False, pooling=pooling)
+                except EngineError as exc:
+                    if exc.kind is not ErrorKind.QUEUE_FULL:
+                        raise
+                    break
+                todo.pop()
+            for d in engine.step():
+                finals[d.request_id] = d
+        return [EmbeddingRequestOutput(rid, toks, EmbeddingOutput(finals[rid].embedding or []))
+                for rid, toks in zip(ids, prompt_ids)]
 
     def _encode(self, prompt: Any) -> list[int]:
         if isinstance(prompt, str):

@@ -54,6 +54,7 @@ class StepDelta:
     spec_drafted_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_steps: int = 0
+    embedding: list[float] | None = None    # an embedding request's vector (its one, final delta)
 
 
 @dataclass
@@ -71,4 +72,18 @@ class RequestOutput:
     prompt_token_ids: list[int]
     num_cached_tokens: int
     outputs: list[CompletionOutput]
+    finished: bool = True
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """``LLM.embed`` results (vLLM's shape: ``out.outputs.embedding``)."""
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
     finished: bool = True

@@ -46,9 +46,11 @@ LOGPROBS = "logprobs"               # JSON (engine: ids; ensemble: OpenAI chat s
 METRICS = "metrics"                 # JSON {"queue_time","ttft","num_preemptions"} on the final response
 TEXT_OUTPUT = "text_output"         # the response's text delta
 TEXT_LOGPROBS = "text_logprobs"     # engine: logprobs in the ensemble's (OpenAI chat) shape, or ""
+EMBEDDING = "embedding"             # engine: an embedding request's vector (empty for generations)
 
 INT32 = "INT32"
 STRING = "STRING"                   # config.pbtxt's TYPE_STRING, tritonclient's "BYTES"
+FP32 = "FP32"
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,8 @@ PROMPT_INPUTS = (_str1(TEXT_INPUT, optional=True), _str1(MESSAGES, optional=True
 ENGINE_TOKEN_OUTPUTS = (_ids(OUTPUT_IDS), _ids(WINDOW_IDS), _int1(NUM_SENT), _int1(MAX_CHARS),
                         _str1(FINISH_REASON), _int1(INDEX), _int1(PROMPT_TOKENS), _int1(COMPLETION_TOKENS),
                         _int1(CACHED_TOKENS), _str1(LOGPROBS), _str1(METRICS))
-ENGINE_OUTPUTS = ENGINE_TOKEN_OUTPUTS + (_str1(TEXT_OUTPUT), _str1(TEXT_LOGPROBS))
+ENGINE_OUTPUTS = ENGINE_TOKEN_OUTPUTS + (_str1(TEXT_OUTPUT), _str1(TEXT_LOGPROBS),
+                                        TensorSpec(EMBEDDING, FP32, (-1,)))
 # What a text client gets: the engine's outputs detokenized (window/num_sent/max_chars -> text).
 TEXT_OUTPUTS = (_str1(TEXT_OUTPUT), _str1(FINISH_REASON), _ids(OUTPUT_IDS), _int1(INDEX), _int1(PROMPT_TOKENS),
                 _int1(COMPLETION_TOKENS), _int1(CACHED_TOKENS), _str1(LOGPROBS), _str1(METRICS))
@@ -154,6 +157,11 @@ TOOLS = "tools"                           # OpenAI tools (also rendered by the c
 TOOL_CHOICE = "tool_choice"               # "none" | "auto" | "required" | {"type": "function", ...}
 PARALLEL_TOOL_CALLS = "parallel_tool_calls"
 LOGIT_BIAS = "logit_bias"                 # {"token id": bias in [-100, 100]}
+# Embedding requests (engine model, token ids in; docs/openai_api.md): parameter EMBED = true makes
+# the request an embedding one, answered by one final response whose EMBEDDING output is the vector.
+EMBED = "embed"
+DIMENSIONS = "dimensions"                 # Matryoshka models only (backend/model/pooling.py)
+NORMALIZE = "normalize"                   # L2-normalize (default: the model's, on unless its config says)
 STRUCTURED_PARAMS = (RESPONSE_FORMAT, GUIDED_JSON, GUIDED_REGEX, GUIDED_CHOICE, GUIDED_GRAMMAR, TOOLS,
                      TOOL_CHOICE, PARALLEL_TOOL_CALLS)
 # Model-level parameters (config.pbtxt ``parameters``), not per request.

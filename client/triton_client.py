@@ -61,6 +61,7 @@ class Chunk:
     window_ids: list[int] | None = None        # engine only (backend/detokenizer.py)
     num_sent: int | None = None
     max_chars: int | None = None
+    embedding: list[float] | None = None       # engine, an embedding request's final response
 
 
 def to_parameters(params: dict | None) -> dict:
@@ -186,7 +187,13 @@ def parse_response(result) -> Chunk:
         window_ids=_ids(result, P.WINDOW_IDS),
         num_sent=_scalar(result, P.NUM_SENT),
         max_chars=_scalar(result, P.MAX_CHARS),
+        embedding=_floats(result, P.EMBEDDING),
     )
+
+
+def _floats(result, name: str) -> list[float] | None:
+    arr = result.as_numpy(name)
+    return None if arr is None else arr.reshape(-1).tolist()
 
 
 def _input(spec: P.TensorSpec, array: np.ndarray):
@@ -294,6 +301,29 @@ class TritonLLMClient:
         # the token outputs only: the engine then skips detokenizing (text_output, text_logprobs)
         outputs = [InferRequestedOutput(t.name) for t in P.ENGINE_TOKEN_OUTPUTS]
         return self._stream(self.engine, [inp], request_id, params, stream, outputs)
+
+    async def embed(self, *, text: str | None = None, input_ids: list[int] | None = None,
+                    params: dict | None = None, request_id: str | None = None) -> tuple[list[float], int]:
+        """One embedding from the engine (parameter ``embed``): ``text`` is tokenized by the
+        ``preprocessing`` model first. Returns (vector, prompt tokens); errors as ``generate``'s."""
+        params = {**(params or {}), P.EMBED: True}
+        if text is not None:
+            inp = _input(P.MODELS[P.PREPROCESSING].input(P.TEXT_INPUT), np.array([text.encode("utf-8")], dtype=object))
+            try:
+                result = await self._client().infer(self.preprocessing, [inp], parameters=to_parameters(params))
+            except Exception as exc:            # tritonclient's InferenceServerException: a tagged message
+                raise error_from_grpc(exc) from None
+            input_ids = result.as_numpy(P.INPUT_IDS).reshape(-1).tolist()
+        from tritonclient.grpc import InferRequestedOutput
+
+        inp = _input(P.MODELS[P.ENGINE].input(P.INPUT_IDS), np.asarray(input_ids, dtype=np.int32))
+        outputs = [InferRequestedOutput(n) for n in (P.EMBEDDING, P.PROMPT_TOKENS, P.FINISH_REASON, P.INDEX)]
+        vector, tokens = None, 0
+        async for chunk in self._stream(self.engine, [inp], request_id, params, False, outputs):
+            vector, tokens = chunk.embedding, chunk.prompt_tokens
+        if vector is None:
+            raise InternalError("the engine answered the embedding request without a vector")
+        return vector, tokens
 
     async def _stream(self, model: str, inputs: list, request_id: str | None, params: dict | None,
                       stream: bool, outputs: list | None = None) -> AsyncIterator[Chunk]:

@@ -13,12 +13,14 @@ prefix of the drafts, which verification compares against)::
 
     input_ids     [ t_last d0 d1 d2 ]    logits rows  4 (all of them)
 
+An embedding request's chunk has no logits row; its rows go in ``hidden_indices`` instead.
 The index arithmetic (positions, slots, padded block tables) is backend/model/batch_builder.py's.
 """
 from __future__ import annotations
 
 import torch
 
+from backend.engine.embedding import hidden_rows
 from backend.engine.sequence import Sequence
 from backend.model.batch_builder import SeqChunk
 from backend.model.batch_builder import build_batch as build_chunks
@@ -36,5 +38,9 @@ def build_batch(scheduled: list[tuple[Sequence, int]], kv, device: str | torch.d
                                    kv.block_table(seq.seq_id), all_logits=True))
             continue
         chunks.append(SeqChunk(seq.token_ids[start:end], start, kv.block_table(seq.seq_id),
-                               logits=end == seq.num_tokens))
-    return build_chunks(chunks, kv.block_size, device)
+                               logits=end == seq.num_tokens and seq.request.pooling is None))
+    batch = build_chunks(chunks, kv.block_size, device)
+    rows = hidden_rows(scheduled)           # embedding requests' rows (backend/engine/embedding.py)
+    if rows is not None:
+        batch.hidden_indices = torch.tensor(rows, dtype=torch.int64, device=device)
+    return batch

@@ -25,10 +25,12 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from backend.engine.admission import check_queue, duplicate_id, validate_request
+from backend.engine.embedding import validate_embed
 from backend.engine.llm_engine import LLMEngine
 from backend.engine.stats import EngineStats
 from backend.errors import EngineError, internal, queue_full, unavailable
 from backend.outputs import STOP, StepDelta
+from backend.pooling_params import PoolingParams
 from backend.sampling_params import SamplingParams
 from backend.serving import ttft_trace
 
@@ -46,6 +48,7 @@ class AddRequest:
     salt: str | None
     priority: int
     deadline: float | None
+    pooling: PoolingParams | None = None     # an embedding request (engine/embedding.py)
 
 
 @dataclass(slots=True)
@@ -118,18 +121,23 @@ class EngineLoop:
     # -- any thread ------------------------------------------------------------------------
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams | None = None, *,
                sink: Sink, stream: bool = True, salt: str | None = None, priority: int = 0,
-               deadline: float | None = None, tenant: str | None = None) -> None:
+               deadline: float | None = None, tenant: str | None = None,
+               pooling: PoolingParams | None = None) -> None:
         """Queue a request; its StepDeltas go to ``sink``. Raises EngineError synchronously:
-        invalid_request, queue_full, or unavailable (crashed or shutting down)."""
+        invalid_request, queue_full, unavailable. ``pooling``: an embedding request (one final delta)."""
         if not self.healthy:
             raise unavailable(f"engine is not healthy: {self.error}")
         if not self._accepting:
             raise unavailable("engine is shutting down")
         params = params or SamplingParams()
         prompt_ids = list(prompt_ids)
-        validate_request(self.limits, request_id, prompt_ids, params)
-        if self.grammars is not None:           # a bad schema is a 400 here; compiled once, cached
-            self.grammars.prepare(params)
+        if pooling is not None:                 # the model's pooling config is fixed at startup too
+            validate_embed(self.limits, self.engine.pooling_config, request_id, prompt_ids, pooling)
+            params = SamplingParams()           # one choice, nothing sampled
+        else:
+            validate_request(self.limits, request_id, prompt_ids, params)
+            if self.grammars is not None:       # a bad schema is a 400 here; compiled once, cached
+                self.grammars.prepare(params)
         tenant = tenant or ""
         with self._lock:
             if request_id in self._open:
@@ -143,7 +151,7 @@ class EngineLoop:
             self._queued += 1
         if self.fairness is not None:
             self.fairness.register(request_id, tenant)
-        self._intake.put(AddRequest(request_id, prompt_ids, params, stream, salt, priority, deadline))
+        self._intake.put(AddRequest(request_id, prompt_ids, params, stream, salt, priority, deadline, pooling))
 
     def abort(self, request_id: str, tenant: str | None = None) -> Future:
         """Abort between steps. The future resolves to the time.monotonic() instant the request's
@@ -257,7 +265,7 @@ class EngineLoop:
         ttft_trace.mark(cmd.request_id, "loop.add")
         try:
             self.engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.params, stream=cmd.stream,
-                                    salt=cmd.salt, priority=cmd.priority, deadline=cmd.deadline)
+                                    salt=cmd.salt, priority=cmd.priority, deadline=cmd.deadline, pooling=cmd.pooling)
         except EngineError as exc:        # queue_full: preemptions filled the queue since submit
             self._dispatch([StepDelta(cmd.request_id, index, [], [], 0, finished=True, finish_reason="error",
                                       error=exc) for index in range(cmd.params.n)])

@@ -1,5 +1,6 @@
 """LLMEngine: the step API. One step = (propose drafts) -> schedule -> run the model -> sample
-(or verify drafts) -> update -> deltas.
+(or verify drafts) -> update -> deltas. Embedding requests (``add_request(..., pooling=)``) ride the
+same steps and finish at the end of their prompt with a pooled vector (embedding.py).
 
 Single-threaded by design: EngineLoop (engine_loop.py) owns it on one thread; the offline LLM
 drives it directly. Admission rules live in admission.py (pure, any thread), what happens after
@@ -17,13 +18,16 @@ from backend.context import context_window
 from backend.engine.admission import EngineLimits, check_queue, duplicate_id, validate_request
 from backend.engine.batch import build_batch
 from backend.engine.deltas import make_deltas
+from backend.engine.embedding import absorb, embedding_delta, validate_embed
 from backend.engine.sampler import Sampler
 from backend.engine.scheduler import Scheduler
 from backend.engine.sequence import Request
 from backend.engine.stats import EngineStats, StatsRecorder
 from backend.engine.stop_checker import StopChecker
 from backend.errors import EngineError, ErrorKind, deadline_exceeded
+from backend.model.pooling import PoolingConfig
 from backend.outputs import StepDelta
+from backend.pooling_params import PoolingParams
 from backend.sampling_params import SamplingParams
 from backend.structured.compiler import Grammars
 from backend.spec.config import SpeculativeConfig
@@ -60,6 +64,8 @@ class LLMEngine:
                                    max_model_len=context_window(info.max_model_len, runner.num_blocks,
                                                                 args.block_size),
                                    max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting)
+        # How embedding requests pool (the checkpoint's; a test's fake runner may have none).
+        self.pooling_config = getattr(runner, "pooling", None) or PoolingConfig()
         self.stop_checker = StopChecker(tokenizer, self.eos_token_ids, self.max_model_len)
         self.scheduler = Scheduler(self.kv, max_num_seqs=args.max_num_seqs, stop_checker=self.stop_checker,
                                    max_num_batched_tokens=args.max_num_batched_tokens)
@@ -86,12 +92,20 @@ class LLMEngine:
     # -- admission -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     *, stream: bool = True, salt: str | None = None, priority: int = 0,
-                    deadline: float | None = None, arrival_time: float | None = None) -> None:
+                    deadline: float | None = None, arrival_time: float | None = None,
+                    pooling: PoolingParams | None = None) -> None:
         """Queue a request. ``deadline`` is a time.monotonic() instant. Raises EngineError:
-        invalid_request (with ``param``) or queue_full when ``max_waiting`` sequences wait."""
+        invalid_request (with ``param``) or queue_full when ``max_waiting`` sequences wait.
+        ``pooling`` makes it an embedding request (``params`` ignored): its one final delta
+        carries ``embedding``."""
         prompt_token_ids = list(prompt_token_ids)
-        max_tokens = validate_request(self.limits, request_id, prompt_token_ids, params)
-        grammar = self.grammars.prepare(params) if params is not None else None
+        resolved = None
+        if pooling is not None:
+            resolved = validate_embed(self.limits, self.pooling_config, request_id, prompt_token_ids, pooling)
+            params, max_tokens, grammar = SamplingParams(speculative=False), 0, None
+        else:
+            max_tokens = validate_request(self.limits, request_id, prompt_token_ids, params)
+            grammar = self.grammars.prepare(params) if params is not None else None
         if request_id in self.scheduler.requests:
             raise duplicate_id(request_id)
         try:
@@ -101,7 +115,7 @@ class LLMEngine:
             raise
         self.scheduler.add_request(Request(
             request_id, prompt_token_ids, params or SamplingParams(), max_tokens=max_tokens, stream=stream,
-            salt=salt, priority=int(priority), deadline=deadline, grammar=grammar,
+            salt=salt, priority=int(priority), deadline=deadline, grammar=grammar, pooling=resolved,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time))
 
     def abort_request(self, request_id: str) -> bool:
@@ -126,25 +140,35 @@ class LLMEngine:
         out = self.scheduler.schedule()
         self.stats_recorder.record_schedule(out)
         if out.scheduled:
-            tokens, logprobs = self._run(out)
+            tokens, logprobs, pooled = self._run(out)
             outcome = self.scheduler.update_from_output(out, tokens, logprobs)
             self.stats_recorder.record_step(outcome)
             deltas += make_deltas(outcome.sampled, self.stop_checker)
             if self.handoff is not None:                         # prefill role (backend/disagg)
                 deltas = self.handoff(outcome.sampled, deltas)
+            for seq in pooled:                 # embeddings done: blocks freed now, one final each
+                self.stats_recorder.record_finished(self.scheduler.finish_request(seq.request, "stop", None))
+                deltas.append(embedding_delta(seq))
         if self.speculator is not None:
             self.speculator.release(self.scheduler.running)     # drafts' state of ended sequences
         return deltas
 
     def _run(self, out) -> tuple:
-        """Forward pass + sampling; with drafts scheduled, exact verification instead."""
+        """Forward pass + sampling (with drafts scheduled, exact verification instead); returns
+        tokens, logprobs and the embedding sequences that finished pooling this step."""
         t0 = time.perf_counter()
-        logits = self.runner.execute(build_batch(out.scheduled, self.kv, self.device))
+        batch = build_batch(out.scheduled, self.kv, self.device)
+        pooled = []
+        if batch.hidden_indices is None:
+            logits = self.runner.execute(batch)
+        else:                                  # embedding requests in the step (embedding.py)
+            logits, hidden = self.runner.execute_pooled(batch)
+            pooled = absorb(out.scheduled, hidden)
         if self.speculator is not None and out.num_batched_tokens == len(out.sampling) + out.num_drafts:
             self.speculator.observe(out.num_drafts > 0, time.perf_counter() - t0)   # decode-only step cost
         if out.num_drafts:
-            return verify(self.sampler, logits, out.sampling, out.logit_rows)
-        return self.sampler(logits, out.sampling, rows=out.logit_rows)
+            return (*verify(self.sampler, logits, out.sampling, out.logit_rows), pooled)
+        return (*self.sampler(logits, out.sampling, rows=out.logit_rows), pooled)
 
     # -- ending requests early -------------------------------------------------------------
     def _finish_request(self, req: Request, reason: str, error: EngineError | None) -> None:

@@ -42,6 +42,8 @@ def plan_sampling(out: SchedulerOutput) -> None:
     rows: list[int] = []
     next_row = 0
     for seq, num_new in out.scheduled:
+        if seq.request.pooling is not None:     # an embedding request pools instead (embedding.py)
+            continue
         if seq.num_computed_tokens + num_new < seq.num_tokens + len(seq.spec_token_ids):
             continue
         row = next_row

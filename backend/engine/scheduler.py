@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import heapq
 import time
+from backend.engine.embedding import prefix_tokens
 from backend.engine.schedule_output import SchedulerOutput, StepOutcome, plan_sampling
 from backend.engine.sequence import Request, SeqStatus, Sequence
 from backend.errors import EngineError
@@ -177,7 +178,7 @@ class Scheduler:
             seats = 1 if req.forked else req.params.n
             if seats_used + seats > self.max_num_seqs:
                 break
-            cached = self.kv.acquire_prefix(seq.seq_id, seq.token_ids, req.salt)
+            cached = self.kv.acquire_prefix(seq.seq_id, prefix_tokens(seq), req.salt)
             if cached is None:
                 break
             num_new = min(seq.num_tokens - cached, budget)
@@ -235,7 +236,8 @@ class Scheduler:
             seq.num_computed_tokens = end
             outcome.recomputed_tokens += max(0, min(seq.high_water, end) - start)
             seq.high_water = max(seq.high_water, end)
-            self.kv.commit(seq.seq_id, seq.token_ids, end)
+            if seq.request.pooling is None:       # embeddings commit nothing (embedding.py)
+                self.kv.commit(seq.seq_id, seq.token_ids, end)
         for child in out.forks:            # after the commit: the fork copies the chain state
             req = child.request
             parent = req.seqs[0]

@@ -45,7 +45,7 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                  max_tokens: int, stream: bool, salt: str | None, priority: int,
-                 deadline: float | None, arrival_time: float, grammar=None):
+                 deadline: float | None, arrival_time: float, grammar=None, pooling=None):
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.params = params
@@ -61,6 +61,7 @@ class Request:
         self.num_cached_tokens = 0                # prefix-cache hit at the first schedule
         self.forked = params.n == 1
         self.grammar = grammar                    # backend/structured Grammar, or None
+        self.pooling = pooling                    # an embedding request (engine/embedding.py), or None
         self.seqs: list[Sequence] = [Sequence(self, 0)]
 
     @property
@@ -112,6 +113,10 @@ class Sequence:
         self.num_accepted = 0      # of those, accepted
         self.num_spec_steps = 0    # steps that verified drafts for this choice
         self.spec_policy = None    # the speculator's per-choice back-off state (backend/spec)
+        # Embedding requests (backend/engine/embedding.py): the mean pooling's running sum over the
+        # chunks computed so far, and the finished vector.
+        self.pool_sum = None
+        self.embedding: list[float] | None = None
 
     def __lt__(self, other: "Sequence") -> bool:     # heap order: priority, then arrival
         return self.sort_key < other.sort_key

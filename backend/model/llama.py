@@ -179,13 +179,23 @@ class LlamaForCausalLM(nn.Module):
 
         Writes this step's K/V into ``kv_caches[layer] = (k_cache, v_cache)`` at ``meta.slot_mapping``.
         """
+        h = self.trunk(input_ids, positions, meta, kv_caches, backend)
+        if logits_indices is not None:
+            # Norm and lm_head are per row: run them on the wanted rows only.
+            h = h.index_select(0, logits_indices)
+        return self.head(h)
+
+    def trunk(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+              kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend: AttentionBackend) -> torch.Tensor:
+        """Every token's hidden state before the final norm [num_tokens, hidden] (K/V written)."""
         h = F.embedding(input_ids, self.model.embed_tokens)
         cos, sin = self.rotary.lookup(positions, h.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             h = layer.forward(h, cos, sin, kv_cache, meta, backend)
-        if logits_indices is not None:
-            # Norm and lm_head are per row: run them on the wanted rows only.
-            h = h.index_select(0, logits_indices)
+        return h
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm + lm_head on the given rows -> fp32 logits."""
         h = self.model.norm.forward(h)
         if self.lm_head_q is not None:          # quant_lm_head (backend/quant/apply.py)
             return self.lm_head_q(h).float()

@@ -17,6 +17,7 @@ from backend.model.attention import AttentionMetadata, make_attention_backend
 from backend.model.config import load_model_config
 from backend.model.fused_decode import make_fused_decoder
 from backend.model.loader import kv_cache_torch_dtype, load_model, parse_dtype
+from backend.model.pooling import PoolingConfig
 
 
 @dataclass
@@ -30,6 +31,9 @@ class BatchInput:
     logits_indices: torch.Tensor  # [num_logits] int64, token rows whose logits are wanted
     max_seqlen_q: int = 0         # max query length in the batch (host int, avoids a sync)
     max_seq_len: int = 0          # max of seq_lens (host int; a kernel launch hint, 0 = unknown)
+    # [num_hidden] int64, rows whose final-normed hidden state is wanted (embedding requests,
+    # backend/engine/embedding.py); None: none (every step that has no embedding request)
+    hidden_indices: torch.Tensor | None = None
 
 
 @dataclass
@@ -86,6 +90,7 @@ class ModelRunner:
         # All-decode steps of fp32 CPU models in one C call (backend/model/fused_decode.py); None:
         # every step takes the torch path.
         self.fused = make_fused_decoder(self.model, self.kv_caches, args.block_size, self.attention)
+        self.pooling = PoolingConfig.from_model_dir(model_dir)     # embedding requests' pooling
 
     info: ModelInfo
     num_blocks: int
@@ -99,12 +104,27 @@ class ModelRunner:
         return self._execute_torch(batch)
 
     @torch.inference_mode()
-    def _execute_torch(self, batch: BatchInput) -> torch.Tensor:
+    def execute_pooled(self, batch: BatchInput) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step with embedding requests: fp32 logits [num_logits, vocab] and the final-normed
+        hidden states [num_hidden, hidden] fp32 of ``batch.hidden_indices``. Always the torch path
+        (the fused C step returns logits only); such steps are prefill work anyway."""
+        dev = self.device
+        h = self.model.trunk(batch.input_ids.to(dev), batch.positions.to(dev), self._meta(batch), self.kv_caches,
+                             self.attention)
+        logits = self.model.head(h.index_select(0, batch.logits_indices.to(dev)))
+        hidden = self.model.model.norm.forward(h.index_select(0, batch.hidden_indices.to(dev)))
+        return logits, hidden.float()
+
+    def _meta(self, batch: BatchInput) -> AttentionMetadata:
         dev = self.device
         cu = batch.cu_seqlens_q.to(dev)
         max_q = batch.max_seqlen_q or int((batch.cu_seqlens_q[1:] - batch.cu_seqlens_q[:-1]).max())
-        meta = AttentionMetadata(slot_mapping=batch.slot_mapping.to(dev), block_tables=batch.block_tables.to(dev),
+        return AttentionMetadata(slot_mapping=batch.slot_mapping.to(dev), block_tables=batch.block_tables.to(dev),
                                  cu_seqlens_q=cu, seq_lens=batch.seq_lens.to(dev), max_seqlen_q=max_q,
                                  max_seq_len=batch.max_seq_len)
-        return self.model(batch.input_ids.to(dev), batch.positions.to(dev), meta, self.kv_caches,
+
+    @torch.inference_mode()
+    def _execute_torch(self, batch: BatchInput) -> torch.Tensor:
+        dev = self.device
+        return self.model(batch.input_ids.to(dev), batch.positions.to(dev), self._meta(batch), self.kv_caches,
                           self.attention, batch.logits_indices.to(dev))

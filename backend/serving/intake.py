@@ -77,7 +77,9 @@ class Intake:
             if not getattr(self.loop, "accepts_handover", False):
                 raise invalid_request(P.HANDOVER, "this engine takes no hand-overs (it is not role=decode)")
             extra["handover"] = str(record)
-        h.remaining, h.stream = settings.sampling.n, settings.stream
+        if settings.pooling is not None:        # an embedding request: one final, the vector
+            extra["pooling"] = settings.pooling
+        h.remaining, h.stream = (1 if settings.pooling is not None else settings.sampling.n), settings.stream
         h.want = inc.requested_outputs or None
         h.skip_special_tokens = skip_special_tokens(params)
         post = self.responses.post

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from backend import protocol as P
 from backend.errors import invalid_request
+from backend.pooling_params import PoolingParams
 from backend.sampling_params import InvalidSamplingParam, SamplingParams
 from backend.structured.spec import parse_logit_bias, spec_from_params
 
@@ -36,6 +37,7 @@ class RequestSettings:
     timeout: float | None = None        # seconds from arrival
     cache_salt: str | None = None       # used only with the engine option allow_client_salt
     extra: dict = field(default_factory=dict)
+    pooling: PoolingParams | None = None    # parameter embed=true: an embedding request
 
 
 def parse_parameters(raw: str | dict | None) -> dict:
@@ -179,6 +181,7 @@ def request_settings(params: dict) -> RequestSettings:
         if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= INT64_MAX:
             raise invalid_request(P.STOP_TOKEN_IDS, "stop_token_ids must be non-negative integers")
     return RequestSettings(
+        pooling=_pooling(p),
         sampling=sampling,
         stream=_as_bool(P.STREAM, p[P.STREAM]) if P.STREAM in p else True,
         max_tokens_given=P.MAX_TOKENS in p,
@@ -187,6 +190,19 @@ def request_settings(params: dict) -> RequestSettings:
         timeout=timeout,
         cache_salt=_short_str(P.CACHE_SALT, p.get(P.CACHE_SALT)) or None,
     )
+
+
+def _pooling(p: dict) -> PoolingParams | None:
+    """``embed``, ``dimensions``, ``normalize`` -> PoolingParams (None: not an embedding request)."""
+    if P.EMBED not in p or not _as_bool(P.EMBED, p[P.EMBED]):
+        return None
+    pooling = PoolingParams(dimensions=_as_int(P.DIMENSIONS, p[P.DIMENSIONS]) if P.DIMENSIONS in p else None,
+                            normalize=_as_bool(P.NORMALIZE, p[P.NORMALIZE]) if P.NORMALIZE in p else None)
+    try:
+        pooling.validate()
+    except InvalidSamplingParam as exc:
+        raise invalid_request(exc.param, str(exc)) from None
+    return pooling
 
 
 def _short_str(name: str, v) -> str | None:
@@ -214,6 +230,11 @@ def fit_context(settings: RequestSettings, prompt_len: int, context_window: int,
     """
     if prompt_len < 1:
         raise invalid_request(param, "the prompt is empty")
+    if settings.pooling is not None:        # an embedding: the whole window, nothing generated
+        if prompt_len > context_window:
+            raise invalid_request(param, f"the input has {prompt_len} tokens but the context window is "
+                                         f"{context_window} tokens")
+        return
     if prompt_len >= context_window:
         raise invalid_request(param, f"the prompt has {prompt_len} tokens but the context window is "
                                      f"{context_window} tokens (at least one must be left to generate)")

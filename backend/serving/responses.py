@@ -6,6 +6,7 @@ backend/protocol.py's ENGINE_OUTPUTS, in that order; only the names the caller r
     metrics        JSON {"queue_time","ttft","num_preemptions"} on the final response, else ""
     text_output    the text delta (backend/detokenizer.py, computed by the response thread)
     text_logprobs  logprobs in OpenAI's chat shape (backend/serving/postprocess.py) or ""
+    embedding      an embedding request's vector, FP32 (empty for generations)
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from backend.serving.tensors import string_array
 
 _INT32 = np.int32
 _EMPTY = np.array([b""], dtype=np.object_)      # never written to by the stubs (they copy inputs)
+_NO_VECTOR = np.zeros((0,), dtype=np.float32)
 TEXT_NAMES = frozenset((P.TEXT_OUTPUT, P.TEXT_LOGPROBS))
 
 
@@ -86,6 +88,8 @@ def engine_outputs(delta: StepDelta, *, ttft: float | None = None, text: tuple[s
         for name, value in ((P.TEXT_OUTPUT, text[0]), (P.TEXT_LOGPROBS, text[1])):
             if want is None or name in want:
                 out[name] = _str1(value)
+    if want is None or P.EMBEDDING in want:
+        out[P.EMBEDDING] = _NO_VECTOR if delta.embedding is None else np.asarray(delta.embedding, dtype=np.float32)
     return out
 
 
