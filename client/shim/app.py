@@ -19,6 +19,7 @@ from fastapi import FastAPI
 
 from client.errors import TritonLLMError
 from client.shim.auth import KeyStore
+from client.shim.embeddings import router as embeddings_router
 from client.shim.errors import from_llm_error, install_handlers
 from client.shim.format import Tally
 from client.shim.generation import collect, merged
@@ -87,6 +88,7 @@ def create_app(settings: ShimSettings | None = None, *, client=None) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes,   # 413 before parsing or auth
                        timeout=settings.body_timeout_s)
     app.include_router(router)
+    app.include_router(embeddings_router)             # /v1/embeddings
     app.state.response_store = ResponseStore(settings.response_store_items, settings.response_store_bytes)
     app.include_router(responses_router)                  # /v1/responses
     try:
