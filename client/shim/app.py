@@ -18,6 +18,8 @@ import uuid
 from fastapi import FastAPI
 
 from client.errors import TritonLLMError
+from client.shim.anthropic import AnthropicErrors
+from client.shim.anthropic import router as anthropic_router
 from client.shim.auth import KeyStore
 from client.shim.embeddings import router as embeddings_router
 from client.shim.errors import from_llm_error, install_handlers
@@ -91,6 +93,8 @@ def create_app(settings: ShimSettings | None = None, *, client=None) -> FastAPI:
     app.include_router(embeddings_router)             # /v1/embeddings
     app.state.response_store = ResponseStore(settings.response_store_items, settings.response_store_bytes)
     app.include_router(responses_router)                  # /v1/responses
+    app.include_router(anthropic_router)                  # /v1/messages
+    app.add_middleware(AnthropicErrors)                   # outermost: its errors in Anthropic's shape
     try:
         import client.chat as chat_page
     except ImportError as exc:
