@@ -267,7 +267,7 @@ class TritonLLMClient:
     async def weights_info(self, timeout: float = 5.0) -> dict:
         """What the engine's weights are: ``dtype``, ``quantization``, ``quant_group_size``,
         ``weight_bytes``, as the generated repository wrote them into the engine's config
-        (backend/quant/apply.py reported_parameters). Raises UnavailableError when the server
+        (backend/quant/plan.py reported_parameters). Raises UnavailableError when the server
         cannot say."""
         try:
             cfg = await self._client().get_model_config(self.engine, as_json=True, client_timeout=timeout)

@@ -104,7 +104,7 @@ def quant_weights(gguf: pathlib.Path, ours_dir: pathlib.Path, opts: dict) -> dic
     """What each side holds: llama.cpp's file size (mmapped as it is) and our resident weight bytes."""
     import torch
 
-    from backend.quant.apply import planned_summary
+    from backend.quant.plan import planned_summary
 
     s = planned_summary(ours_dir, dtype=torch.float32, quantization=opts.get("quantization", "none"),
                         group_size=int(opts.get("quant_group_size", 32)),

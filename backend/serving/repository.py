@@ -128,7 +128,7 @@ def generate_repository(dst: pathlib.Path, model_dir: str | pathlib.Path, *,
                 except KeyError:
                     raise ValueError(f"engine option {key!r} is not declared in {src / name / 'config.pbtxt'}") from None
             if P.WEIGHT_BYTES in declared_parameters(cfg):     # what the weights are, for /v1/models
-                from backend.quant.apply import reported_parameters
+                from backend.quant.plan import reported_parameters
                 for key, value in reported_parameters(model_dir, engine_args(src, engine_options)).items():
                     cfg = set_parameter(cfg, key, value)
         if instances and name in instances:

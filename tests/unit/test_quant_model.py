@@ -12,7 +12,7 @@ from backend.config import EngineArgs
 from backend.model.batch_builder import SeqChunk, build_batch
 from backend.model.gguf_import import import_gguf
 from backend.model.runner import ModelRunner
-from backend.quant.apply import planned_summary
+from backend.quant.plan import planned_summary
 from backend.quant.layout import dequantize
 from backend.quant.linear import QuantLinear
 from tests.conftest import model_dir

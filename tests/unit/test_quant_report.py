@@ -17,7 +17,7 @@ from backend import protocol as P
 from backend.config import EngineArgs
 from backend.model.config import load_model_config
 from backend.model.loader import auto_dtype, load_model, parse_dtype
-from backend.quant.apply import planned_summary
+from backend.quant.plan import planned_summary
 from backend.serving.repository import TEMPLATES, declared_parameters, generate_repository, parse_engine_options
 from client.fake_client import FakeLLMClient
 from client.shim import ShimSettings, create_app
