@@ -32,7 +32,7 @@ def _cmd_import_gguf(args: argparse.Namespace) -> int:
     try:
         import_gguf(args.file, args.out, dtype=args.dtype, progress=lambda m: print(m, flush=True),
                     keep_quantized=args.keep_quantized)
-    except (GGUFError, FileNotFoundError) as exc:
+    except (GGUFError, OSError) as exc:           # a bad file or --out: one line, no traceback
         print(f"import-gguf: {exc}", file=sys.stderr)
         return 2
     return 0
@@ -43,7 +43,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from backend.serving.launcher import serve_main
 
     if args.model is None:
-        args.model = str(ensure_default_model())
+        from backend.model.gguf_reader import GGUFError
+        try:
+            args.model = str(ensure_default_model())
+        except (GGUFError, RuntimeError, OSError) as exc:   # download, hash or import: one line
+            print(f"serve: the default model could not be set up: {exc}", file=sys.stderr)
+            return 2
     args.engine_option = serve_engine_options(args.engine_option)
     if getattr(args, "disagg", False):                # prefill/decode disaggregation (docs/disaggregation.md)
         from backend.serving.disagg_serve import serve_disagg
@@ -82,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     ig = sub.add_parser("import-gguf", help="convert a llama-family GGUF into a checkpoint directory")
     ig.add_argument("file", help="the .gguf file (llama, mistral or qwen2 architecture)")
-    ig.add_argument("--out", required=True, help="checkpoint directory to write (replaced if present)")
+    ig.add_argument("--out", required=True, help="checkpoint directory to write: new, empty, or a previous "
+                    "import (whose own files are replaced); anything else is refused")
     ig.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                     help="dtype of the dequantized weights (default float32: exact)")
     ig.add_argument("--keep-quantized", action="store_true",

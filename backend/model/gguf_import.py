@@ -6,19 +6,22 @@ in this engine and in transformers like any other checkpoint. Weights are dequan
 chosen dtype (float32 by default: the exact values of the quantized blocks); the packed blocks stay
 readable through :func:`backend.model.gguf_reader.quantized_tensors`.
 
-The directory is written under a temporary name and renamed at the end, so an interrupted import
-never leaves something that looks complete.
+The file is validated before anything is written (:mod:`backend.model.gguf_header`: structure;
+the reader, config and tokenizer modules: metadata types and ranges, tensor shapes against the
+metadata), and the directory is placed by :mod:`backend.model.gguf_output`: built beside ``out``,
+moved in at the end, never over files an import did not write.
 """
 from __future__ import annotations
 
 import collections
 import json
+import os
 import pathlib
-import shutil
 import time
 from dataclasses import dataclass, field
 
-from backend.model.gguf_config import generation_config, hf_config
+from backend.model import gguf_output
+from backend.model.gguf_config import check_shapes, generation_config, hf_config
 from backend.model.gguf_reader import GGUFFile
 from backend.model.gguf_tokenizer import build_tokenizer
 
@@ -70,7 +73,8 @@ def _write_weights(tensors, tmp: pathlib.Path, dtype: str, progress) -> tuple[in
 
 def import_gguf(path: str | pathlib.Path, out: str | pathlib.Path, *, dtype: str = "float32",
                 progress=print, keep_quantized: bool = False) -> ImportResult:
-    """Convert one GGUF; GGUFError (a ValueError) when the file is not supported, before writing.
+    """Convert one GGUF; GGUFError (a ValueError) when the file is bad or not supported, or ``out``
+    may not be written (a non-empty directory that is not a previous import), before writing.
 
     ``keep_quantized``: the layer projections keep their Q8_0 / Q4_0 / Q4_1 blocks in our int8 /
     int4 layouts (backend/quant/gguf.py) and config.json gets a ``quantization_config``."""
@@ -78,16 +82,18 @@ def import_gguf(path: str | pathlib.Path, out: str | pathlib.Path, *, dtype: str
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)} (got {dtype!r})")
     start = time.perf_counter()
     out = pathlib.Path(out)
+    target = pathlib.Path(os.path.abspath(out))           # "--out ." has a name and a parent
+    gguf_output.check_target(target)
     gf = GGUFFile(path)
     tok = build_tokenizer(gf)
     tensors = list(gf.tensors())          # checks every name and type before anything is written
+    config = hf_config(gf, tok, tensor_names={t.name for t in tensors}, dtype=dtype)
+    check_shapes(gf, config, tensors)
     types = dict(collections.Counter(t.qtype for t in tensors))
     if progress:
         progress(f"[import-gguf] {pathlib.Path(path).name}: {gf.architecture}, {len(tensors)} tensors "
                  f"({', '.join(f'{n} {k}' for k, n in sorted(types.items()))}) -> {out} ({dtype})")
-    tmp = out.parent / f".{out.name}.importing"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = gguf_output.staging_dir(target)
     try:
         if keep_quantized:
             import numpy as np
@@ -100,17 +106,14 @@ def import_gguf(path: str | pathlib.Path, out: str | pathlib.Path, *, dtype: str
                 progress(f"[import-gguf] kept quantized: {qconfig['source']} -> bits={qconfig['bits']} ({counts})")
         else:
             params, names = _write_weights(tensors, tmp, dtype, progress)
-        config = hf_config(gf, tok, tensor_names=names, dtype=dtype)
         if keep_quantized:
             config.quantization_config = qconfig
         config.save_pretrained(tmp)
         (tmp / "generation_config.json").write_text(json.dumps(generation_config(tok), indent=2) + "\n")
         tok.save(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
+        gguf_output.put_in_place(tmp, target, source=pathlib.Path(path).name)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        gguf_output.discard(tmp)
         raise
     result = ImportResult(out=out, seconds=time.perf_counter() - start, architecture=gf.architecture,
                           tensor_types=types, parameters=params)

@@ -1,7 +1,8 @@
 """Read a llama-family GGUF file: its metadata and its tensors under Hugging Face names.
 
-The ``gguf`` package (llama.cpp's own Python reader) memory-maps the file; this module only maps
-names, checks types, and undoes the one layout change llama.cpp's converter makes: for the ``llama``
+:mod:`backend.model.gguf_header` validates and parses the header (the file stays memory-mapped);
+this module gives typed metadata (a wrong type is a GGUFError naming the key), maps names, checks
+types, and undoes the one layout change llama.cpp's converter makes: for the ``llama``
 architecture it permutes the rows of ``q_proj`` / ``k_proj`` so that each head's rotary pairs are
 interleaved (llama.cpp's rope), where Hugging Face keeps the two halves apart. Qwen2 is converted
 without the permutation (its rope already matches).
@@ -17,6 +18,10 @@ import re
 from dataclasses import dataclass
 
 import numpy as np
+
+from backend.model.gguf_header import ARRAY, SCALARS, STRING, TYPE_NAMES, GGUFError, read_header
+
+__all__ = ["GGUFError", "GGUFFile", "GGUFTensor", "hf_name", "quantized_tensors", "unpermute_rows"]
 
 # llama.cpp architectures whose weights follow the Llama layout this engine implements.
 # "mistral" is not a separate GGUF architecture in older files (they say "llama"), newer
@@ -37,10 +42,6 @@ _BLOCK = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"
           "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
           "ffn_down": "mlp.down_proj"}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
-
-
-class GGUFError(ValueError):
-    """The file is not a GGUF this importer supports; the message says what and why."""
 
 
 def hf_name(gguf_name: str) -> str:
@@ -92,50 +93,128 @@ class GGUFTensor:
             np.float32, copy=False).reshape(self.shape)
 
 
+_INTS = (0, 1, 2, 3, 4, 5, 10, 11)
+_FLOATS = (6, 12)
+_MISSING = object()
+
+
+def _plain(vtype: int, value):
+    """A parsed value as plain Python (numeric arrays become lists)."""
+    if vtype != ARRAY:
+        return value
+    item_type, items = value
+    if item_type in SCALARS:
+        return items.tolist()
+    return [_plain(item_type, v) for v in items]
+
+
 class GGUFFile:
-    """An open GGUF: ``.architecture``, ``.get(key)`` for metadata, ``.tensors()`` in HF naming."""
+    """An open, validated GGUF: ``.architecture``, typed metadata, ``.tensors()`` in HF naming."""
 
     def __init__(self, path: str | pathlib.Path) -> None:
-        from gguf import GGUFReader
-
         self.path = pathlib.Path(path)
-        with open(self.path, "rb") as f:                 # FileNotFoundError passes through
-            if f.read(4) != b"GGUF":
-                raise GGUFError(f"{self.path}: not a GGUF file (no GGUF magic at the start)")
-        try:
-            self._reader = GGUFReader(str(self.path))
-        except (ValueError, OSError) as exc:
-            raise GGUFError(f"{self.path}: not a readable GGUF file ({exc})") from None
-        self.architecture = str(self.get("general.architecture", ""))
+        self.header = read_header(self.path)           # GGUFError on any bad field; OSError passes
+        self.architecture = self.get_str("general.architecture", "")
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise GGUFError(f"{self.path}: architecture {self.architecture!r} is not supported; "
                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
 
+    def _typed(self, key: str, default, kinds: tuple[int, ...], expected: str):
+        entry = self.header.metadata.get(key)
+        if entry is None:
+            if default is _MISSING:
+                raise GGUFError(f"{self.path}: metadata {key} is missing")
+            return None, default
+        vtype, value = entry
+        if vtype not in kinds:
+            raise GGUFError(f"{self.path}: metadata {key} has type {TYPE_NAMES.get(vtype, vtype)}, expected {expected}")
+        return vtype, value
+
     def get(self, key: str, default=None):
-        """A metadata value (str, int, float, bool or list), or ``default`` when absent."""
-        field = self._reader.fields.get(key)
-        return default if field is None else field.contents()
+        """A metadata value as plain Python (str, int, float, bool or list), or ``default``."""
+        entry = self.header.metadata.get(key)
+        return default if entry is None else _plain(*entry)
+
+    def get_int(self, key: str, default=_MISSING, lo: int = 0, hi: int = 1 << 62):
+        vtype, v = self._typed(key, default, _INTS, "an integer")
+        if vtype is not None and not lo <= v <= hi:
+            raise GGUFError(f"{self.path}: metadata {key} = {v} is out of range ({lo} to {hi})")
+        return v
+
+    def get_float(self, key: str, default=_MISSING, lo: float = 0.0, hi: float = 1e30):
+        """A finite float in (lo, hi]: the values read this way are scales and frequencies."""
+        vtype, v = self._typed(key, default, _FLOATS + _INTS, "a number")
+        if vtype is not None and not lo < v <= hi:
+            raise GGUFError(f"{self.path}: metadata {key} = {v} is out of range ({lo} to {hi})")
+        return v
+
+    def get_str(self, key: str, default=_MISSING):
+        return self._typed(key, default, (STRING,), "a string")[1]
+
+    def get_bool(self, key: str, default=_MISSING):
+        vtype, v = self._typed(key, default, (7,), "a bool")
+        return v
+
+    def get_strs(self, key: str, default=_MISSING) -> list[str]:
+        vtype, v = self._typed(key, default, (ARRAY,), "an array of strings")
+        if vtype is not None and v[0] != STRING:
+            raise GGUFError(f"{self.path}: metadata {key} is an array of type {TYPE_NAMES.get(v[0], v[0])}, "
+                            "expected strings")
+        return v if vtype is None else v[1]
+
+    def get_ints(self, key: str, default=_MISSING) -> np.ndarray:
+        vtype, v = self._typed(key, default, (ARRAY,), "an array of integers")
+        if vtype is not None and v[0] not in _INTS:
+            raise GGUFError(f"{self.path}: metadata {key} is an array of type {TYPE_NAMES.get(v[0], v[0])}, "
+                            "expected integers")
+        return v if vtype is None else v[1]
+
+    def arch_key(self, key: str) -> str:
+        """``arch_key("block_count")`` -> ``llama.block_count``."""
+        return f"{self.architecture}.{key}"
 
     def arch(self, key: str, default=None):
-        """An architecture-scoped value: ``arch("block_count")`` reads ``llama.block_count``."""
-        return self.get(f"{self.architecture}.{key}", default)
+        """An architecture-scoped value as plain Python: ``arch("block_count")``."""
+        return self.get(self.arch_key(key), default)
+
+    def _data(self, info) -> np.ndarray:
+        """The tensor's bytes as gguf-py's reader shapes them (a view of the mapped file)."""
+        from gguf.constants import GGMLQuantizationType
+        from gguf.quants import quant_shape_to_byte_shape
+
+        qtype = GGMLQuantizationType(info.ggml_type)
+        dims = tuple(reversed(info.dims))
+        if qtype.name in ("F32", "F16"):
+            dtype = np.dtype("<f4" if qtype.name == "F32" else "<f2")
+            count = info.nbytes // dtype.itemsize
+        else:
+            dtype, count, dims = np.dtype(np.uint8), info.nbytes, quant_shape_to_byte_shape(dims, qtype)
+        return np.frombuffer(self.header.buffer, dtype=dtype, count=count, offset=info.offset).reshape(dims)
 
     def tensors(self):
         """Yield every tensor as a :class:`GGUFTensor`; GGUFError on an unsupported type or name."""
-        n_head = int(self.arch("attention.head_count"))
-        n_kv = int(self.arch("attention.head_count_kv", n_head))
-        for t in self._reader.tensors:
-            qtype = t.tensor_type.name
+        from gguf.constants import GGMLQuantizationType
+
+        n_head = self.get_int(self.arch_key("attention.head_count"), lo=1, hi=1 << 12)
+        n_kv = self.get_int(self.arch_key("attention.head_count_kv"), n_head, lo=1, hi=n_head)
+        for info in self.header.tensors:
+            qtype = GGMLQuantizationType(info.ggml_type).name
             if qtype not in SUPPORTED_TYPES:
-                raise GGUFError(f"{self.path}: tensor {t.name} has type {qtype}, which is not "
+                raise GGUFError(f"{self.path}: tensor {info.name} has type {qtype}, which is not "
                                 f"supported; supported: {', '.join(SUPPORTED_TYPES)}")
-            name = hf_name(t.name)
-            shape = tuple(int(d) for d in reversed(t.shape))   # GGUF lists ne0 (columns) first
-            raw = t.data
+            try:
+                name = hf_name(info.name)
+            except GGUFError as exc:
+                raise GGUFError(f"{self.path}: {exc}") from None
+            shape = tuple(reversed(info.dims))            # GGUF lists ne0 (columns) first
+            raw = self._data(info)
             if self.architecture in _PERMUTED and name.endswith(_QK):
                 heads = n_head if ".q_proj." in name else n_kv
-                raw = unpermute_rows(np.asarray(raw).reshape(shape[0], -1), heads).reshape(np.shape(raw))
-            yield GGUFTensor(name=name, gguf_name=t.name, qtype=qtype, shape=shape, raw=raw)
+                if shape[0] % (2 * heads):
+                    raise GGUFError(f"{self.path}: tensor {info.name} has {shape[0]} rows, not a whole "
+                                    f"number of rotary pairs for {heads} heads")
+                raw = unpermute_rows(raw.reshape(shape[0], -1), heads).reshape(raw.shape)
+            yield GGUFTensor(name=name, gguf_name=info.name, qtype=qtype, shape=shape, raw=raw)
 
 
 def quantized_tensors(path: str | pathlib.Path) -> dict[str, GGUFTensor]:

@@ -55,27 +55,49 @@ class TokenizerFiles:
 
 
 def _id(gf: GGUFFile, key: str, n_vocab: int) -> int | None:
-    value = gf.get(f"tokenizer.ggml.{key}")
-    return int(value) if value is not None and 0 <= int(value) < n_vocab else None
+    value = gf.get_int(f"tokenizer.ggml.{key}", None, hi=1 << 63)
+    return value if value is not None and value < n_vocab else None
 
 
 def build_tokenizer(gf: GGUFFile) -> TokenizerFiles:
-    """The tokenizer of a GGUF with a byte-level BPE vocabulary; GGUFError for other kinds."""
+    """The tokenizer of a GGUF with a byte-level BPE vocabulary; GGUFError for other kinds and for
+    metadata the ``tokenizers`` library refuses (merges of unknown tokens...)."""
+    try:
+        return _build(gf)
+    except GGUFError:
+        raise
+    except BaseException as exc:
+        # tokenizers (Rust) raises Exception, or PanicException (a BaseException) when it panics.
+        if not isinstance(exc, Exception) and type(exc).__name__ != "PanicException":
+            raise
+        raise GGUFError(f"{gf.path}: the tokenizer cannot be rebuilt from its metadata "
+                        f"({type(exc).__name__}: {str(exc)[:200]})") from None
+
+
+def _build(gf: GGUFFile) -> TokenizerFiles:
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-    kind = gf.get("tokenizer.ggml.model")
+    kind = gf.get_str("tokenizer.ggml.model", None)
     if kind != "gpt2":
         raise GGUFError(f"{gf.path}: tokenizer model {kind!r} is not supported; supported: 'gpt2' "
                         "(byte-level BPE). SentencePiece ('llama') vocabularies are not yet imported")
-    pre = str(gf.get("tokenizer.ggml.pre", "default"))
+    pre = gf.get_str("tokenizer.ggml.pre", "default")
     if pre not in PRE_TOKENIZERS:
         raise GGUFError(f"{gf.path}: pre-tokenizer {pre!r} is not known; known: "
                         f"{', '.join(sorted(PRE_TOKENIZERS))}")
-    tokens = [str(t) for t in gf.get("tokenizer.ggml.tokens")]
-    types = list(gf.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens))
-    merges = [tuple(str(m).split(" ", 1)) for m in gf.get("tokenizer.ggml.merges") or []]
+    tokens = gf.get_strs("tokenizer.ggml.tokens")
+    if not tokens:
+        raise GGUFError(f"{gf.path}: tokenizer.ggml.tokens is empty")
+    types = gf.get_ints("tokenizer.ggml.token_type", None)
+    if types is not None and len(types) != len(tokens):
+        raise GGUFError(f"{gf.path}: {len(types)} token types for {len(tokens)} tokens")
+    types = [_NORMAL] * len(tokens) if types is None else types.tolist()
+    merges = [tuple(m.split(" ", 1)) for m in gf.get_strs("tokenizer.ggml.merges", [])]
     if not merges:
         raise GGUFError(f"{gf.path}: a gpt2 tokenizer without merges cannot be rebuilt")
+    bad = next((i for i, m in enumerate(merges) if len(m) != 2 or not all(m)), None)
+    if bad is not None:
+        raise GGUFError(f"{gf.path}: merge {bad} is not two tokens separated by a space")
 
     vocab = {t: i for i, t in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in _IGNORE_MERGES))
@@ -99,10 +121,10 @@ def build_tokenizer(gf: GGUFFile) -> TokenizerFiles:
     n = len(tokens)
     bos, eos = _id(gf, "bos_token_id", n), _id(gf, "eos_token_id", n)
     pad, unk = _id(gf, "padding_token_id", n), _id(gf, "unknown_token_id", n)
-    template = gf.get("tokenizer.chat_template")
+    template = gf.get_str("tokenizer.chat_template", None)
     # A BOS the chat template already writes as text (ChatML's "<|im_start|>") is a turn marker,
     # not a sequence start: adding it again would double it.
-    add_bos = bool(gf.get("tokenizer.ggml.add_bos_token", False)) and bos is not None and not (
+    add_bos = gf.get_bool("tokenizer.ggml.add_bos_token", False) and bos is not None and not (
         template and tokens[bos] in template)
     if add_bos:
         tok.post_processor = processors.TemplateProcessing(
@@ -123,7 +145,7 @@ def build_tokenizer(gf: GGUFFile) -> TokenizerFiles:
         "pad_token": name(pad), "unk_token": name(unk),
         "add_bos_token": add_bos, "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
-        "model_max_length": int(gf.arch("context_length", 2048)),
+        "model_max_length": gf.get_int(gf.arch_key("context_length"), 2048, lo=1, hi=1 << 24),
     }
     if template:
         config["chat_template"] = str(template)
