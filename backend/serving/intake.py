@@ -4,6 +4,10 @@ Runs on Triton's execute thread and never blocks on the engine or on a send: it 
 request parameters, registers the request (``Opened``) before handing it to the EngineLoop, and
 turns any failure into one ``Rejected`` message. A request with parameter ``abort_request_id`` and
 no ``input_ids`` is an explicit abort of that request, answered once the engine applied it.
+
+A structured-output request whose grammar is not compiled yet waits for it off this thread
+(backend/structured/compiler.py ``prepare_async``: a worker thread with a budget); it enters the
+engine when the grammar is ready, from the worker's callback, or gets its 400.
 """
 from __future__ import annotations
 
@@ -82,6 +86,30 @@ class Intake:
         h.remaining, h.stream = (1 if settings.pooling is not None else settings.sampling.n), settings.stream
         h.want = inc.requested_outputs or None
         h.skip_special_tokens = skip_special_tokens(params)
+        grammars = getattr(self.loop, "grammars", None)
+        if grammars is not None and settings.sampling.structured is not None and not extra:
+            compiled = grammars.prepare_async(settings.sampling)     # caps / bias errors raise here
+            if not compiled.done():
+                compiled.add_done_callback(lambda f: self._enter_compiled(h, inc, settings, extra, now, f))
+                return
+            compiled.result()
+        self._enter(h, inc, settings, extra, now)
+
+    def _enter_compiled(self, h: RequestHandle, inc: Incoming, settings: Any, extra: dict, now: float,
+                        compiled: Any) -> None:
+        """On the grammar worker (or its deadline thread): the request's grammar is ready or failed."""
+        try:
+            compiled.result()
+            if not self.accepting:
+                raise unavailable("the server is shutting down")
+            self._enter(h, inc, settings, extra, now)
+        except EngineError as err:
+            self.responses.post(Rejected(h, err))
+        except Exception as exc:            # noqa: BLE001 - a bug: still exactly one answer
+            log.exception("admitting request %s failed", h.rid)
+            self.responses.post(Rejected(h, as_engine_error(exc)))
+
+    def _enter(self, h: RequestHandle, inc: Incoming, settings: Any, extra: dict, now: float) -> None:
         post = self.responses.post
         if self.tombstones.take(h.rid):     # its abort overtook it: answer abort without running
             post(Opened(h))

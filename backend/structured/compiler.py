@@ -1,29 +1,44 @@
-"""Grammar compilation for one tokenizer, cached: ``Grammars.prepare(params)`` -> a ``Grammar``.
+"""Grammar compilation for one tokenizer, off the engine's path: ``Grammars``.
 
-Compiling a JSON schema against a vocabulary costs milliseconds to seconds (xgrammar precomputes
-which tokens each grammar position allows), so each (kind, text) is compiled once and kept in an
-LRU of ``capacity`` entries. ``prepare`` runs on the caller's thread (EngineLoop.submit, so a bad
-schema is a 400 before the request is queued) and again on the engine thread (a cache hit); a lock
-makes the cache safe for both. The tokenizer's vocabulary (``xgrammar.TokenizerInfo``) is read
-once, on the first structured request.
+Compiling against a vocabulary costs milliseconds to seconds (xgrammar precomputes which tokens
+each grammar position allows), so it never runs on the engine thread or Triton's execute thread:
+
+    Intake (execute thread) ── prepare_async(params) ──► Future   (caps / bias errors raise here)
+        cache hit ─────────────────────────────────────► done at once
+        miss ── CompileWorker (worker.py: own thread, GIL released, budget) ─┐
+                                                                            ▼
+        params.structured = spec.with_grammar(grammar) ◄── result ── ByteLRU (cache.py, bytes)
+        ──► EngineLoop.submit / LLMEngine.add_request: prepare(params) returns the attached grammar
+
+A request waits for its grammar before it reaches the engine (not in the running batch) while
+other requests keep stepping; no lock is held during a compile. Past ``budget_s`` (queue wait
+included) the request is a 400 naming its field. ``prepare`` is the blocking form, for callers
+that may wait (the offline API); on an attached or cached grammar it returns at once. The
+tokenizer's vocabulary (``xgrammar.TokenizerInfo``) is read once, on the worker, on first use.
 """
 from __future__ import annotations
 
 import json
-import threading
-from collections import OrderedDict
+from concurrent.futures import Future
 from typing import Any
 
 from backend.errors import EngineError, invalid_request
+from backend.structured.cache import ByteLRU
 from backend.structured.spec import StructuredSpec
+from backend.structured.worker import BudgetExceeded, CompileWorker, resolve
+
+DEFAULT_BUDGET_S = 2.0                   # wall clock from submit to compiled, queue wait included
+DEFAULT_CACHE_BYTES = 256 * 1024 * 1024  # compiled grammars kept, by their memory_size_bytes
 
 
 class Grammar:
     """A compiled grammar; every choice of a request gets its own matcher from it."""
 
-    def __init__(self, compiled: Any, spec: StructuredSpec):
+    def __init__(self, compiled: Any, spec: StructuredSpec, owner: Any = None, nbytes: int = 0):
         self.compiled = compiled
         self.spec = spec
+        self.owner = owner               # the Grammars (vocabulary) it was compiled for
+        self.nbytes = nbytes
 
     def matcher(self):
         from backend.structured.matcher import GrammarState
@@ -31,21 +46,20 @@ class Grammar:
 
 
 class Grammars:
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int], *, capacity: int = 128):
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int], *,
+                 budget_s: float = DEFAULT_BUDGET_S, cache_bytes: int = DEFAULT_CACHE_BYTES):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
-        self.capacity = capacity
-        self._cache: OrderedDict[tuple[str, str], Grammar] = OrderedDict()
-        self._lock = threading.Lock()
-        self._compiler = None
+        self.cache = ByteLRU(cache_bytes)
+        self.worker = CompileWorker(budget_s)
+        self._compiler = None            # touched only on the worker thread
         self.hits = 0
         self.misses = 0
 
-    def prepare(self, params) -> Grammar | None:
-        """Validate the structured-output parts of ``params`` (SamplingParams) against this
-        vocabulary and return the compiled grammar (None if unconstrained). Raises EngineError
-        invalid_request naming the field."""
+    def check(self, params) -> StructuredSpec | None:
+        """The cheap checks of ``params`` (SamplingParams) against this vocabulary; the spec to
+        compile, or None if unconstrained. Raises EngineError invalid_request naming the field."""
         bias = getattr(params, "logit_bias", None)
         if bias:
             bad = [t for t in bias if t >= self.vocab_size]
@@ -58,34 +72,76 @@ class Grammars:
         if params.min_tokens:
             raise invalid_request("min_tokens", "min_tokens cannot be combined with a structured output: "
                                                 "the grammar decides when the output may end")
-        return self.compile(spec)
+        return spec
+
+    def prepare_async(self, params) -> Future:
+        """A Future of the request's Grammar (None if unconstrained), done at once on a cache hit;
+        on success ``params.structured`` carries the grammar. Fails with EngineError."""
+        spec = self.check(params)
+        out: Future = Future()
+        ready = self._ready(spec) if spec is not None else None
+        if spec is None or ready is not None:
+            out.set_result(ready)
+            return out
+        self.misses += 1
+
+        def done(fut: Future) -> None:
+            try:
+                grammar = fut.result()
+            except BudgetExceeded as exc:
+                why = ("took longer than that to compile; simplify it (shorter bounded repetitions) "
+                       "or retry: a finished compile is cached") if exc.started else \
+                      "waited for other grammars to compile; retry"
+                resolve(out, error=invalid_request(spec.param, f"{spec.param} was not compiled within "
+                                                               f"the {exc.budget_s:g} s budget: it {why}"))
+                return
+            except BaseException as exc:              # noqa: BLE001 - EngineError from _compile_now
+                resolve(out, error=exc)
+                return
+            params.structured = spec.with_grammar(grammar)
+            resolve(out, grammar)
+
+        self.worker.submit(spec.key, lambda: self._compile_now(spec)).add_done_callback(done)
+        return out
+
+    def prepare(self, params) -> Grammar | None:
+        """The blocking form of :meth:`prepare_async` (the offline API, tests)."""
+        if self.worker.on_worker_thread():          # a caller running on the worker itself
+            spec = self.check(params)
+            return None if spec is None else (self._ready(spec) or self._compile_now(spec))
+        return self.prepare_async(params).result()
 
     def compile(self, spec: StructuredSpec) -> Grammar:
-        with self._lock:
-            hit = self._cache.get(spec.key)
-            if hit is not None:
-                self._cache.move_to_end(spec.key)
-                self.hits += 1
-                return hit
-            self.misses += 1
-            compiler = self._get_compiler()
-            try:
-                compiled = _compile(compiler, spec)
-            except EngineError:
-                raise
-            except Exception as exc:         # xgrammar: RuntimeError / ValueError with the reason
-                raise invalid_request(spec.param, f"{spec.param} cannot be used as an output "
-                                                  f"constraint: {_first_line(exc)}") from None
-            grammar = Grammar(compiled, spec)
-            self._cache[spec.key] = grammar
-            if len(self._cache) > self.capacity:
-                self._cache.popitem(last=False)
-            return grammar
+        from backend.sampling_params import SamplingParams
+        return self.prepare(SamplingParams(structured=spec))
 
-    def _get_compiler(self):
+    def _ready(self, spec: StructuredSpec) -> Grammar | None:
+        attached = getattr(spec, "compiled_grammar", None)
+        if attached is not None and attached.owner is self:
+            return attached
+        hit = self.cache.get(spec.key)
+        if hit is not None:
+            self.hits += 1
+        return hit
+
+    def _compile_now(self, spec: StructuredSpec) -> Grammar:
+        """On the worker thread: compile and cache ``spec``; EngineError naming its field."""
+        try:
+            compiled = _compile(self._get_compiler(spec), spec)
+        except EngineError:
+            raise
+        except Exception as exc:             # xgrammar: RuntimeError / ValueError with the reason
+            raise invalid_request(spec.param, f"{spec.param} cannot be used as an output "
+                                              f"constraint: {_first_line(exc)}") from None
+        nbytes = int(getattr(compiled, "memory_size_bytes", 0)) + len(spec.value)
+        grammar = Grammar(compiled, spec, self, nbytes)
+        self.cache.put(spec.key, grammar, nbytes)
+        return grammar
+
+    def _get_compiler(self, spec: StructuredSpec):
         if self._compiler is None:
             if self.tokenizer is None:
-                raise invalid_request("response_format", "structured outputs need the model's tokenizer")
+                raise invalid_request(spec.param, "structured outputs need the model's tokenizer")
             import xgrammar as xgr
             info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
                                                       stop_token_ids=self.eos_token_ids or None)

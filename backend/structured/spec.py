@@ -11,20 +11,25 @@ One spec per request, from exactly one of these request parameters (OpenAI's and
                       Hermes-style <tool_call> blocks whose JSON follows the functions' schemas
 
 The spec is plain, hashable data (``kind``, canonical ``value`` text): the grammar cache keys on
-it (compiler.py). Shape errors raise ``InvalidSamplingParam`` naming the field; whether a schema
-or regex compiles is only known to the compiler, which raises the same error.
+it (compiler.py). Shape errors and the compile caps (caps.py: sizes, repetition bounds, nesting)
+raise ``InvalidSamplingParam`` naming the field when the spec is made; whether a schema or regex
+compiles is only known to the compiler, which raises the same error. Once compiled off the
+engine's path, a request's spec carries its grammar (``with_grammar``; not a field: never
+compared, hashed or serialized).
 """
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass
 from typing import Any
 
 from backend.sampling_params import InvalidSamplingParam
+from backend.structured.caps import MAX_CHARS, check_spec
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tool_calls")
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
-MAX_SPEC_CHARS = 256 * 1024          # a schema / grammar / tool list bigger than this is a 400
+MAX_SPEC_CHARS = max(MAX_CHARS.values())   # the largest text any kind may have (caps.py: per kind)
 LOGIT_BIAS_MAX = 100.0               # OpenAI: each bias in [-100, 100]
 LOGIT_BIAS_MAX_ENTRIES = 1024
 
@@ -40,12 +45,18 @@ class StructuredSpec:
             raise InvalidSamplingParam(self.param, f"unknown structured output kind {self.kind!r}")
         if not isinstance(self.value, str):
             raise InvalidSamplingParam(self.param, f"{self.param} must be text")
-        if len(self.value) > MAX_SPEC_CHARS:
-            raise InvalidSamplingParam(self.param, f"{self.param} is longer than {MAX_SPEC_CHARS} characters")
+        check_spec(self.kind, self.value, self.param)
 
     @property
     def key(self) -> tuple[str, str]:
         return self.kind, self.value
+
+    def with_grammar(self, grammar: Any) -> "StructuredSpec":
+        """This spec carrying its compiled grammar (compiler.py), so the engine thread never
+        compiles or waits for a cache: an attribute, not a field (asdict and == ignore it)."""
+        out = copy.copy(self)
+        object.__setattr__(out, "compiled_grammar", grammar)
+        return out
 
     # -- constructors for the offline API -----------------------------------------------
     @classmethod
@@ -82,7 +93,7 @@ def _choices(v: Any) -> list[str]:
     if isinstance(v, str):
         try:
             v = json.loads(v)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise InvalidSamplingParam("guided_choice", "guided_choice must be a JSON list of strings") from None
     if not isinstance(v, list) or not v or any(not isinstance(c, str) or not c for c in v):
         raise InvalidSamplingParam("guided_choice", "guided_choice must be a non-empty list of non-empty strings")
@@ -93,6 +104,8 @@ def _load_json(v: Any, param: str) -> Any:
     if isinstance(v, str):
         try:
             return json.loads(v)
+        except RecursionError:
+            raise InvalidSamplingParam(param, f"{param} nests too deeply") from None
         except ValueError as exc:
             raise InvalidSamplingParam(param, f"{param} is not valid JSON: {exc}") from None
     return v

@@ -31,6 +31,8 @@ def _load(v: Any, param: str) -> Any:
     if isinstance(v, str):
         try:
             return json.loads(v)
+        except RecursionError:
+            raise InvalidSamplingParam(param, f"{param} nests too deeply") from None
         except ValueError:
             if param == "tool_choice":
                 return v                     # "none" / "auto" / "required" as bare words

@@ -130,8 +130,10 @@ def test_cache_hit_returns_the_same_grammar(grammars):
     a = grammars.compile(StructuredSpec.json(SCHEMA))
     b = grammars.compile(StructuredSpec("json_schema", json.dumps(SCHEMA), "response_format"))
     assert a is b and (grammars.hits, grammars.misses) == (1, 1)
-    grammars.capacity = 1
-    grammars.compile(StructuredSpec.regex("x+"))
+    assert grammars.cache.bytes == a.nbytes > a.compiled.memory_size_bytes
+    grammars.cache.max_bytes = a.nbytes        # room for one of them: the next compile evicts it
+    x = grammars.compile(StructuredSpec.regex("x+"))
+    assert StructuredSpec.json(SCHEMA).key not in grammars.cache and grammars.cache.bytes == x.nbytes
     assert grammars.compile(StructuredSpec.json(SCHEMA)) is not a and grammars.misses == 3   # evicted
 
 
