@@ -36,11 +36,11 @@ void f32_to_half(const float *x, uint16_t *out, int64_t n, int kind);
 
 int bf16_avx2_supported(void) { return 1; }
 
-/* xr [M, K] fp32 = x rounded to bf16 (RNE), each full 16-k block in the order above. xr must not
- * alias x. */
-void bf16_avx2_inputs(const float *x, int64_t M, int64_t K, float *xr) {
+/* xr [M, K] fp32 = x rounded to bf16 (RNE); permute: each full 16-k block in the order above (the
+ * tiles), else in place (BLAS). xr must not alias x. */
+void bf16_avx2_inputs(const float *x, int64_t M, int64_t K, float *xr, int permute) {
     uint16_t tmp[256];
-    const int64_t kb = K & ~(int64_t)15;
+    const int64_t kb = permute ? K & ~(int64_t)15 : 0;
     for (int64_t t = 0; t < M; t++) {
         const float *xt = x + t * K;
         float *o = xr + t * K;
@@ -58,6 +58,18 @@ void bf16_avx2_inputs(const float *x, int64_t M, int64_t K, float *xr) {
                 memcpy(o + dst, &u, sizeof u);
             }
         }
+    }
+}
+
+/* out[0..n) = w[0..n) widened to fp32 (exact): a block of weights for BLAS (decode_cpu.c). */
+void bf16_avx2_widen(const uint16_t *w, int64_t n, float *out) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_si256((__m256i *)(out + i),
+                            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(w + i))), 16));
+    for (; i < n; i++) {
+        const uint32_t u = (uint32_t)w[i] << 16;
+        memcpy(out + i, &u, sizeof u);
     }
 }
 
@@ -159,7 +171,10 @@ void bf16_avx2_rows(const float *x, int64_t M, int64_t K, const uint16_t *W, con
 /* No AVX2: bf16_supported() is 0 unless VDPBF16PS runs, so these are never called; they exist so
  * the library links on every CPU. */
 int bf16_avx2_supported(void) { return 0; }
-void bf16_avx2_inputs(const float *x, int64_t M, int64_t K, float *xr) { (void)x; (void)M; (void)K; (void)xr; }
+void bf16_avx2_inputs(const float *x, int64_t M, int64_t K, float *xr, int permute) {
+    (void)x; (void)M; (void)K; (void)xr; (void)permute;
+}
+void bf16_avx2_widen(const uint16_t *w, int64_t n, float *out) { (void)w; (void)n; (void)out; }
 void bf16_avx2_rows(const float *x, int64_t M, int64_t K, const uint16_t *W, const float *bias, int64_t N,
                     float *y, int acc, int64_t n0, int64_t n1) {
     (void)x; (void)M; (void)K; (void)W; (void)bias; (void)N; (void)y; (void)acc; (void)n0; (void)n1;

@@ -73,7 +73,8 @@ int attend_bf16(const float *q, const uint16_t *kc, const uint16_t *vc, const in
 void f32_to_half(const float *x, uint16_t *out, int64_t n, int kind);
 /* bf16_avx2.c: bf16 weights widened in AVX2 registers (every x86-64 host with AVX2 + FMA) */
 int bf16_avx2_supported(void);
-void bf16_avx2_inputs(const float *x, int64_t M, int64_t K, float *xr);
+void bf16_avx2_inputs(const float *x, int64_t M, int64_t K, float *xr, int permute);
+void bf16_avx2_widen(const uint16_t *w, int64_t n, float *out);
 void bf16_avx2_rows(const float *x, int64_t M, int64_t K, const uint16_t *W, const float *bias, int64_t N,
                     float *y, int acc, int64_t n0, int64_t n1);
 
@@ -715,10 +716,34 @@ static void alinear_chunk(void *p, int64_t c) {
     bf16_avx2_rows(j->x, j->M, j->K, j->W, j->bias, j->N, j->y, j->acc, j->N * c / j->C, j->N * (c + 1) / j->C);
 }
 
+/* Rows of W widened per BLAS call on the AVX2 path (256 x K floats: 576 KB at K = 576). */
+#define WIDEN_ROWS 256
+
+/* The AVX2 path from m->gemm_min_m rows, where BLAS beats register tiles (compute-bound): bf16(x)
+ * (unpermuted) times W widened to fp32 WIDEN_ROWS rows at a time, through m->sgemm. -1: no memory. */
+static int linear_bf16_blas(const Model *m, const float *xr, int64_t M, int64_t K, const uint16_t *W,
+                            const float *bias, int64_t N, float *y, int acc) {
+    float *wf = malloc(sizeof(float) * (size_t)(WIDEN_ROWS * K));
+    if (!wf) return -1;
+    const int m_ = (int)M, k_ = (int)K, ldc = (int)N;
+    const float one = 1.f, beta = acc ? 1.f : 0.f;
+    for (int64_t n0 = 0; n0 < N; n0 += WIDEN_ROWS) {
+        const int nb = (int)(N - n0 < WIDEN_ROWS ? N - n0 : WIDEN_ROWS);
+        bf16_avx2_widen(W + n0 * K, nb * K, wf);
+        m->sgemm("T", "N", &nb, &m_, &k_, &one, wf, &k_, xr, &k_, &beta, y + n0, &ldc);   /* as linear() */
+    }
+    free(wf);
+    if (bias)
+        for (int64_t t = 0; t < M; t++)
+            for (int64_t n = 0; n < N; n++) y[t * N + n] += bias[n];
+    return 0;
+}
+
 /* y [M, N] (+)= bf16(x) [M, K] W^T + bias with W bf16 [N, K]; xb: bf16_input_elems(M, K) (>= 2 M K:
  * room for the AVX2 kernels' M K rounded fp32 inputs too). AVX512-BF16 (AMX from AMX_MIN_M rows)
- * unless avx2 is set or the CPU lacks it; then the AVX2 kernels (bf16_avx2.c), same contract. */
-static void linear_bf16(const float *x, int64_t M, int64_t K, const uint16_t *W, const float *bias,
+ * unless avx2 is set or the CPU lacks it; then the AVX2 kernels (bf16_avx2.c), same contract: BLAS
+ * on widened weights from m->gemm_min_m rows (m->sgemm set), register tiles below. */
+static void linear_bf16(const Model *m, const float *x, int64_t M, int64_t K, const uint16_t *W, const float *bias,
                         int64_t N, float *y, int acc, uint16_t *xb, int nt, int avx2) {
     const int T = linear_threads(nt, M, N, K);
 #ifdef HAVE_BF16_DOT
@@ -744,7 +769,10 @@ static void linear_bf16(const float *x, int64_t M, int64_t K, const uint16_t *W,
 #endif
     (void)avx2;
     float *xr = (float *)xb;                             /* 64-byte aligned by the callers */
-    bf16_avx2_inputs(x, M, K, xr);
+    const int blas = m->sgemm && M >= m->gemm_min_m && M < (1 << 30) && N < (1 << 30);
+    bf16_avx2_inputs(x, M, K, xr, !blas);
+    if (blas && linear_bf16_blas(m, xr, M, K, W, bias, N, y, acc) == 0) return;
+    if (blas) bf16_avx2_inputs(x, M, K, xr, 1);         /* no memory for a weight block: the tiles */
     ALinearJob j = {xr, M, K, W, bias, N, y, acc, linear_chunks(T, N)};
     par_for(T, j.C, alinear_chunk, &j, 0);
 }
@@ -759,7 +787,8 @@ int linear_bf16_test(const float *x, int64_t M, int64_t K, const uint16_t *W, co
     if (avx2 ? !bf16_avx2_supported() : !bf16_supported()) return -1;
     uint16_t *xb = aligned_alloc(64, (sizeof(uint16_t) * (size_t)bf16_input_elems(M, K) + 63) & ~(size_t)63);
     if (!xb) return -1;
-    linear_bf16(x, M, K, W, bias, N, y, acc, xb, nt, avx2 || !bf16_dot_supported());
+    const Model m = {0};                                 /* no sgemm: the kernels of this library */
+    linear_bf16(&m, x, M, K, W, bias, N, y, acc, xb, nt, avx2 || !bf16_dot_supported());
     free(xb);
     return 0;
 }
@@ -771,7 +800,7 @@ static void linear_q(const Model *m, const QW *q, const float *x, int64_t M, int
                      const float *bias, int64_t N, float *y, int acc, float *tmp, uint16_t *xb, int nt) {
     if (!q || q->kind == Q_F32) { linear(m, x, M, K, W, bias, N, y, acc, nt); return; }
     if (q->kind == Q_BF16) {
-        linear_bf16(x, M, K, (const uint16_t *)q->w, bias, N, y, acc, xb, nt, m->bf16_avx2 || !bf16_dot_supported());
+        linear_bf16(m, x, M, K, (const uint16_t *)q->w, bias, N, y, acc, xb, nt, m->bf16_avx2 || !bf16_dot_supported());
         return;
     }
     float *out = acc ? tmp : y;

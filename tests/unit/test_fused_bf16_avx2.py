@@ -138,9 +138,12 @@ def test_avx2_decode_steps_match_bf16_torch_path(arunner, m):
             t.append(tok)
 
 
-@pytest.mark.parametrize("case", ["mixed", "two-prompts", "all-logits"])
+@pytest.mark.parametrize("case", ["mixed", "two-prompts", "all-logits", "blas"])
 def test_avx2_varlen_steps_match_bf16_torch_path(arunner, case):
-    if case == "all-logits":
+    """Varlen steps; "blas": 78 rows, past GEMM_MIN_M: BLAS on the weights widened block by block."""
+    if case == "blas":
+        batch, _ = fd.varlen_batch(arunner, [(0, 70, True), (9, 1, True), (4, 2, True), (3, 5, True)], seed=6)
+    elif case == "all-logits":
         batch, _ = fd.varlen_batch(arunner, [(7, 4, True), (10, 1, True), (0, 6, True)], seed=3, all_logits=True)
     else:
         batch, _ = fd.varlen_batch(arunner, fd.VARLEN[case], seed=len(case))
