@@ -21,11 +21,9 @@ import argparse
 import ast
 import dataclasses
 import inspect
-import io
 import pathlib
 import re
 import sys
-import tokenize
 import typing
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -217,9 +215,8 @@ def env_reads(path: pathlib.Path) -> dict[str, object]:
             name = _value(node.left, consts)
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and PROJECT_ENV.fullmatch(node.value):
             name = node.value
-        if isinstance(name, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
-            if found.get(name) is None:
-                found[name] = default
+        if isinstance(name, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) and found.get(name) is None:
+            found[name] = default
     return found
 
 
