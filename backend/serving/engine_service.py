@@ -21,7 +21,9 @@ from typing import Any, Callable
 
 from backend.serving.intake import Intake
 from backend.serving.messages import Incoming
-from backend.serving.response_thread import BUSY_HOLD_MAX, BUSY_HOLD_STEPS, CANCEL_CHECK_INTERVAL, ResponseThread
+from backend.serving.cancel_watch import CANCEL_CHECK_INTERVAL
+from backend.serving.hold_policy import BUSY_HOLD_MAX, BUSY_HOLD_STEPS
+from backend.serving.response_thread import ResponseThread
 from backend.serving.tombstones import AbortTombstones
 
 __all__ = ["EngineService", "Incoming", "build_engine_service", "STUB_SWITCH_INTERVAL_S"]

@@ -60,7 +60,7 @@ class RequestHandle:
     skip_special_tokens: bool = True        # for the text outputs (backend/serving/postprocess.py)
     cancel_every: float = 0.0               # is_cancelled() at most this often (response_thread.py)
     held: dict[int, "Held"] = field(default_factory=dict)   # choice -> its gathered, unsent delta
-    pace: dict = field(default_factory=dict)  # choice -> its pace between deltas (response_thread._Pace)
+    pace: dict = field(default_factory=dict)  # choice -> its pace between deltas (hold_policy.Pace)
 
 
 @dataclass(slots=True)

@@ -10,66 +10,31 @@ client cancel once the engine confirmed the abort, and at shutdown. After ``STOP
 gone and ``post`` answers a late message itself, so a request submitted during shutdown still gets
 its one FINAL.
 
-Cancellation costs an ``is_cancelled()`` IPC round trip, so it is checked per request on a time
-basis: at most once per ``cancel_check_interval`` when the request sends (``ensemble_cancel_interval``
-for a step of the ``llm`` ensemble, which Triton never tells about a cancel: its clients send an
-explicit abort), and by the sweep (every ``sweep_interval``, or the request's own longer interval) when
-it sends nothing. A cancel seen is aborted in the engine at once, so the
-request's blocks are free before the engine's next step.
-
-Senders: a ``send()`` is a blocking IPC round trip to tritonserver (~0.7 ms of wall time on the
-disaggregated decode server, ~50 us of it CPU, the GIL released while it waits), so one thread
-sending a step's responses one after another spreads them over most of the step. With ``senders``
-> 0 (``TRITON_LLM_RESPONSE_SENDERS``, default ``SENDERS``) this thread builds each response and
-queues it on the request's own sender thread (``llm-send-<i>``; a request keeps one sender for its
-life, the least loaded when its first response goes out), which makes the IPC call: a request's
-responses leave in order, its FINAL after its tokens, and several requests' sends overlap
-(tritonserver handles each response message on its own pool thread). Bookkeeping stays here: a
-request is done when its FINAL is queued; a failed send comes back as ``SendFailed`` and stops the
-request as before. Before the thread is started (tests that drive ``step()``), after close, and
-with ``senders=0`` every send is made inline, as before.
+Cancels are noticed by ``cancel_watch.CancelWatch``; how long a streamed choice's tokens may wait
+to be gathered into one response is ``hold_policy.HoldPolicy``'s call.
 
 Text: with a ``detokenizer`` (backend/serving/postprocess.py ``Postprocessor``) the thread also
 turns each delta into its text delta (and OpenAI-shaped logprobs) when the caller requested
 ``text_output``/``text_logprobs``, as the ``llm`` ensemble does: the ensemble then returns the
 engine's responses directly, without a postprocessing model call per token. Only the outputs a
 caller requested are built. A detokenization failure ends that request with an internal error.
-
-Gathering: with a hold interval (``stream_interval``, or ``busy_stream_interval`` while at least
-``busy_streams`` requests are open, scaled by how many are: ``hold_interval``) a choice's mid-stream
-delta that comes less than the interval after the choice's last send is held and merged with the
-next ones (``coalesce.merge_deltas``: the same tokens and text), so one response (one ``send`` IPC,
-one ensemble hop, one gRPC message, one SSE chunk) carries several steps' tokens. Each choice has
-its own clock, and a held token waits at most its choice's interval: the first delta that comes an
-interval after the last send takes it along (sends stay on step boundaries), else the thread wakes
-up at its deadline (the steps stalled). With an explicit ``stream_interval`` steps slower than the
-interval are never held. The busy hold also follows the steps: it is at least ``busy_hold_steps``
-times the choice's own recent gap between deltas (an average over its last few steps), up to
-``busy_hold_max`` seconds (engine options; defaults BUSY_HOLD_STEPS 2.5, BUSY_HOLD_MAX 0.3 s), so
-while many streams are open a response carries about three steps' tokens (two when the cap cuts in)
-even when a step is as long as the hold or longer (a 32-stream step of a larger model on a small
-CPU: ~0.07-0.15 s), and the responses per second stay a third of the steps' rate instead of one per
-token; a token then waits at most about two steps more. Never held:
-a choice's first token, finals (a held delta goes with them), errors (the held tokens go first), a
-cancelled request's tokens (dropped, as before).
 """
 from __future__ import annotations
 
 import collections
 import logging
-import os
 import queue
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Callable
 
-from backend import protocol as P
 from backend.errors import EngineError, internal, unavailable
 from backend.outputs import StepDelta
 from backend.serving.coalesce import coalesce, merge_deltas
 from backend.serving.errors import wire_kind
-from backend.serving.latency import ABORT_TO_FREE, LatencyRecorder
+from backend.serving.cancel_watch import CANCEL_CHECK_INTERVAL, ENSEMBLE_CANCEL_CHECK, CancelWatch
+from backend.serving.hold_policy import BUSY_HOLD_MAX, BUSY_HOLD_STEPS, BUSY_STREAMS, DUE_SLACK, HoldPolicy, Pace
+from backend.serving.latency import LatencyRecorder
 from backend.serving.messages import (STOP, ControlAnswered, DeltaArrived, Held, Message, Opened,
                                       Rejected, RequestHandle)
 from backend.serving.responses import control_outputs, engine_outputs, wants_text
@@ -79,46 +44,6 @@ from backend.serving import ttft_trace
 log = logging.getLogger(__name__)
 
 MAX_DRAIN = 4096                # messages taken per step (bounds one step's latency under a flood)
-CANCEL_CHECK_INTERVAL = 0.02    # s; at the 16-stream goal rate (~20 ms a token) about every other send
-ENSEMBLE_CANCEL_CHECK = 1.0     # s; steps of the llm ensemble (Triton does not tell them about cancels)
-BUSY_STREAMS = 16               # open requests from which busy_stream_interval gathers tokens
-BUSY_SCALE_MAX = 2.0            # the busy hold grows with the open streams up to this factor
-BUSY_HOLD_STEPS = 2.5           # the busy hold is at least this many of a choice's gaps between deltas
-BUSY_HOLD_MAX = 0.3             # s; ... up to this: ~3 steps a response (2 at the cap), none over 0.3 s
-GAP_WEIGHT = 0.3                # weight of the newest gap in a choice's average gap between deltas
-DUE_SLACK = 0.001               # s; held deltas due this soon go with the ones due now (one wake-up)
-SENDERS = 0                     # sender threads (0: this thread sends inline); TRITON_LLM_RESPONSE_SENDERS
-SENDER_JOIN_S = 5.0             # s; at close, how long to wait for each sender to send what it has
-
-
-def default_senders() -> int:
-    try:
-        return max(0, int(os.environ.get("TRITON_LLM_RESPONSE_SENDERS", SENDERS)))
-    except ValueError:
-        return SENDERS
-
-
-class _Pace:
-    """When a choice's last delta came and the average gap between its deltas (0: not known yet)."""
-    __slots__ = ("last", "gap")
-
-    def __init__(self, last: float) -> None:
-        self.last = last
-        self.gap = 0.0
-
-    def arrived(self, now: float) -> float:
-        """Note a delta that came ``now``; returns the average gap so far."""
-        gap = now - self.last
-        self.last = now
-        self.gap = gap if self.gap == 0.0 else self.gap + GAP_WEIGHT * (gap - self.gap)
-        return self.gap
-
-
-@dataclass(slots=True)
-class SendFailed:
-    """A sender thread's send for ``handle`` raised (the stream is gone): stop the request."""
-    handle: RequestHandle
-    final: bool
 
 
 # (start, wall seconds) of every send while a trace collects them (backend/disagg/trace.py sets a
@@ -138,43 +63,6 @@ def _send_one(h: RequestHandle, outputs: dict | None, error: EngineError | None,
         ttft_trace.mark(h.rid, "rt.sent0")
 
 
-class _Sender:
-    """One sender thread: makes the queued sends of the requests assigned to it, in order."""
-
-    def __init__(self, name: str, failed: Callable[[RequestHandle, bool], None]) -> None:
-        self.q: queue.SimpleQueue = queue.SimpleQueue()
-        self.load = 0                       # open requests assigned (response thread only)
-        self._failed = failed
-        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        _name_os_thread()
-        while True:
-            item = self.q.get()
-            if item is None:
-                return
-            h, outputs, error, final = item
-            try:
-                _send_one(h, outputs, error, final)
-            except Exception as exc:        # noqa: BLE001 - the stream is gone
-                log.debug("send for %s failed: %s", h.rid, exc)
-                self._failed(h, final)
-
-    def close(self, timeout: float) -> None:
-        self.q.put(None)
-        self.thread.join(timeout)
-
-
-def _name_os_thread() -> None:
-    """The thread's name at the OS level too (top -H, bench_stack's per-thread CPU, layouts)."""
-    try:
-        with open(f"/proc/self/task/{threading.get_native_id()}/comm", "w") as f:
-            f.write(threading.current_thread().name[:15])
-    except OSError:
-        pass
-
-
 class ResponseThread:
     def __init__(self, loop: Any, tombstones: AbortTombstones, *, metrics: Any = None,
                  stream_interval: float = 0.0, busy_stream_interval: float = 0.0,
@@ -183,37 +71,28 @@ class ResponseThread:
                  cancel_check_interval: float = CANCEL_CHECK_INTERVAL,
                  ensemble_cancel_interval: float = ENSEMBLE_CANCEL_CHECK,
                  clock: Callable[[], float] = time.monotonic, q: queue.Queue | None = None,
-                 detokenizer: Any = None, senders: int | None = None) -> None:
+                 detokenizer: Any = None) -> None:
         self.loop = loop
         self.detokenizer = detokenizer
         self.tombstones = tombstones
         self.metrics = metrics
         self.latency = LatencyRecorder(metrics)
-        self.stream_interval = stream_interval
-        self.busy_stream_interval = busy_stream_interval
-        self.busy_hold_steps, self.busy_hold_max = busy_hold_steps, busy_hold_max
-        self.busy_streams = busy_streams
+        self.hold = HoldPolicy(stream_interval, busy_stream_interval, busy_hold_steps, busy_hold_max, busy_streams)
         self._holding: dict[RequestHandle, None] = {}   # requests with held deltas (ordered set)
         self.sweep_interval = sweep_interval
-        self.cancel_check_interval = cancel_check_interval
-        self.ensemble_cancel_interval = ensemble_cancel_interval
+        self.cancels = CancelWatch(loop, metrics, on_cancel=self._drop_held, sweep_interval=sweep_interval,
+                                   cancel_check_interval=cancel_check_interval,
+                                   ensemble_cancel_interval=ensemble_cancel_interval)
         self._clock = clock
         self._q: queue.Queue = q if q is not None else queue.Queue()
         self._lock = threading.RLock()      # post() vs the switch to closed (re-entrant: inline answers)
         self._closed = False
         self._open: dict[RequestHandle, None] = {}      # an ordered set; response thread only
         self._next_sweep = clock() + sweep_interval
-        # sender threads: how many new requests are spread over (may change while serving: a
-        # request keeps the sender it got), the threads, and each open request's sender
-        self.senders = default_senders() if senders is None else max(0, senders)
-        self._senders: list[_Sender] = []
-        self._sender_of: dict[RequestHandle, _Sender] = {}
-        self._use_senders = False           # started and not closed: sends go to the senders
         self._thread = threading.Thread(target=self.run, name="llm-responses", daemon=True)
 
     # -- any thread ------------------------------------------------------------------------
     def start(self) -> None:
-        self._use_senders = True
         self._thread.start()
 
     def is_alive(self) -> bool:
@@ -271,7 +150,7 @@ class ResponseThread:
         if self._holding:
             self._send_due(now)
         if now >= self._next_sweep:
-            self._sweep(now)
+            self.cancels.sweep(self._open, now)
             self._next_sweep = now + self.sweep_interval
         self.latency.flush()
         return True
@@ -285,27 +164,8 @@ class ResponseThread:
                 return
 
     def hold_interval(self, gap: float = 0.0) -> float:
-        """How long a choice's mid-stream tokens may wait to be gathered: ``stream_interval`` if
-        set, else, while at least ``busy_streams`` requests are open (many streams: each
-        response's IPC and downstream work is worth sharing between steps), the larger of
-        ``busy_stream_interval`` times (open requests / ``busy_streams``, at most BUSY_SCALE_MAX)
-        and ``busy_hold_steps`` times ``gap``, the choice's average gap between deltas (up to
-        ``busy_hold_max``), else 0."""
-        if self.stream_interval > 0:
-            return self.stream_interval
-        n = len(self._open)
-        if self.busy_stream_interval > 0 and n >= self.busy_streams:
-            # Grows with the open streams (up to BUSY_SCALE_MAX times): the responses per second
-            # stay about busy_streams / busy_stream_interval however many streams are open, so
-            # the stack's CPU per response (send IPC, ensemble hop, gRPC, shim) stops growing
-            # with the load; with the defaults 0.05 s at 16 streams, 0.1 s from 32.
-            hold = self.busy_stream_interval * min(n / self.busy_streams, BUSY_SCALE_MAX)
-            # Steps nearly as long as that or longer (bench-110m / SmolLM2 at 32 streams on 2
-            # cores: ~0.07-0.15 s) would make (nearly) every token its own response: hold across
-            # the next two steps, so a response carries three steps' tokens (a third of the
-            # responses: each costs ~1-2 ms of CPU across the stub, tritonserver, shim, client).
-            return max(hold, min(self.busy_hold_steps * gap, self.busy_hold_max))
-        return 0.0
+        """How long a choice's mid-stream tokens may wait now (hold_policy.HoldPolicy)."""
+        return self.hold.interval(len(self._open), gap)
 
     def _next_due(self) -> float:
         return min(held.due for h in self._holding for held in h.held.values())
@@ -344,21 +204,12 @@ class ResponseThread:
         elif isinstance(msg, Opened):
             h = msg.handle
             self._open[h] = None
-            # A step of the llm ensemble (it asks for the text outputs, never the token window) is
-            # not told about client cancels (Triton does not forward them into ensemble steps; the
-            # clients send an explicit abort): ask for it only once a second (at 32 streams, every
-            # 100 ms was as many IPC round trips as the gathered sends themselves).
-            ensemble_step = h.want is not None and P.TEXT_LOGPROBS in h.want and P.WINDOW_IDS not in h.want
-            h.cancel_every = self.ensemble_cancel_interval if ensemble_step else self.cancel_check_interval
+            self.cancels.opened(h)
         elif isinstance(msg, Rejected):
             self.latency.rejected(wire_kind(msg.error))
             self._finish(msg.handle, error=msg.error)
         elif isinstance(msg, ControlAnswered):
             self._on_control(msg)
-        elif isinstance(msg, SendFailed):
-            h = msg.handle
-            if not h.done and not h.cancelled:
-                self._cancel(h, self._clock())
         else:
             raise TypeError(f"not a response-queue message: {msg!r}")
 
@@ -376,7 +227,7 @@ class ResponseThread:
         if error is not None:
             self._finish(h, error=error, abort_rest=not last)
             return
-        if h.cancelled or self._cancel_seen(h, now):
+        if h.cancelled or self.cancels.seen(h, now):
             if last:
                 self._finish(h)
             return
@@ -407,7 +258,7 @@ class ResponseThread:
         """Note a streamed choice's mid-stream delta; returns its average gap between deltas (0: first)."""
         pace = h.pace.get(index)
         if pace is None:
-            h.pace[index] = _Pace(now)
+            h.pace[index] = Pace(now)
             return 0.0
         return pace.arrived(now)
 
@@ -423,13 +274,13 @@ class ResponseThread:
                 return
         ttft = self.latency.delta(h, d, now)
         try:
-            self._deliver(h, engine_outputs(d, ttft=ttft, text=text, want=h.want), None, last)
+            _send_one(h, engine_outputs(d, ttft=ttft, text=text, want=h.want), None, last)
         except Exception as exc:            # noqa: BLE001 - the stream is gone: stop generating
             log.debug("send for %s failed: %s", h.rid, exc)
             if last:
                 self._done(h)
             else:
-                self._cancel(h, now)
+                self.cancels.cancel(h, now)
             return
         if last:
             self._done(h)
@@ -450,38 +301,6 @@ class ResponseThread:
         except Exception:                   # noqa: BLE001 - the control client went away
             log.debug("abort control answer for %s not delivered", msg.target)
 
-    def _cancel_seen(self, h: RequestHandle, now: float) -> bool:
-        """Ask Triton at most once per ``cancel_check_interval`` whether the client went away."""
-        return now - h.last_check >= h.cancel_every and self._check(h, now)
-
-    def _check(self, h: RequestHandle, now: float) -> bool:
-        h.last_check = now
-        try:
-            gone = h.responder.is_cancelled()
-        except Exception:                   # noqa: BLE001
-            gone = True
-        if gone:
-            self._cancel(h, now)
-        return gone
-
-    def _cancel(self, h: RequestHandle, now: float) -> None:
-        """Stop generating; the request's FINAL goes out bare when the engine's abort delta comes."""
-        h.cancelled = True
-        self._drop_held(h)
-        fut = self.loop.abort(h.rid)
-        m = self.metrics
-        if m is not None:
-            def freed(f) -> None:           # runs on the engine thread: only a queue put
-                if not f.cancelled() and f.exception() is None and f.result() is not None:
-                    m.observe(ABORT_TO_FREE, f.result() - now)
-            fut.add_done_callback(freed)
-
-    def _sweep(self, now: float) -> None:
-        """Requests that send nothing for a while (queued, non-streaming) are checked here."""
-        for h in list(self._open):
-            if not h.done and not h.cancelled and now - h.last_check >= max(self.sweep_interval, h.cancel_every):
-                self._check(h, now)
-
     def _finish(self, h: RequestHandle, *, error: EngineError | None = None, abort_rest: bool = False) -> None:
         """Send the request's one FINAL (with an error response if given)."""
         if h.done:
@@ -493,7 +312,7 @@ class ResponseThread:
         if abort_rest and getattr(self.loop, "healthy", True):
             self.loop.abort(h.rid)          # its other choices must stop too
         try:
-            self._deliver(h, None, error, True)
+            _send_one(h, None, error, True)
         except Exception as exc:            # noqa: BLE001
             log.debug("final for %s not delivered: %s", h.rid, exc)
         self._done(h)
@@ -502,38 +321,7 @@ class ResponseThread:
         h.done = True
         self._drop_held(h)
         self._open.pop(h, None)
-        s = self._sender_of.pop(h, None)
-        if s is not None:
-            s.load -= 1
         self.tombstones.finished(h.rid)
-
-    # -- sends -----------------------------------------------------------------------------
-    def _deliver(self, h: RequestHandle, outputs: dict | None, error: EngineError | None, final: bool) -> None:
-        """Send one response of ``h``: queued on its sender thread, or inline (raises if that fails)."""
-        s = self._sender_of.get(h)
-        if s is None and self._use_senders and self.senders > 0:
-            while len(self._senders) < self.senders:
-                self._senders.append(_Sender(f"llm-send-{len(self._senders)}", self._send_failed))
-            s = min(self._senders[:self.senders], key=lambda x: x.load)
-            s.load += 1
-            self._sender_of[h] = s
-        if s is None:
-            _send_one(h, outputs, error, final)
-        else:
-            s.q.put((h, outputs, error, final))
-
-    def _send_failed(self, h: RequestHandle, final: bool) -> None:
-        """Sender thread: hand the failure to this thread (the queue directly: never the lock,
-        which ``_close`` holds while it waits for the senders)."""
-        self._q.put(SendFailed(h, final))
-
-    def _close_senders(self) -> None:
-        """Let every sender send what it has, then send inline from now on."""
-        self._use_senders = False
-        for s in self._senders:
-            s.close(SENDER_JOIN_S)
-        self._senders.clear()
-        self._sender_of.clear()
 
     def _close(self) -> None:
         """STOP: apply what is still queued, end every open request, answer later posts inline."""
@@ -551,7 +339,6 @@ class ResponseThread:
                         log.exception("response thread failed while closing")
             self._close_open()
             self.latency.flush()
-            self._close_senders()
 
     def _close_open(self) -> None:
         for h in list(self._open):

@@ -155,9 +155,9 @@ def test_engine_model_passes_the_busy_hold_options_to_its_response_thread():
                                                          "busy_hold_steps": "4.5", "busy_hold_max": "0.6"})
     default = build_engine_service(str(model_dir("tiny")), {"num_kv_blocks": "8"})
     try:
-        r = set_.responses
+        r = set_.responses.hold
         assert (r.busy_stream_interval, r.busy_hold_steps, r.busy_hold_max) == (0.08, 4.5, 0.6)
-        d, args = default.responses, EngineArgs()
+        d, args = default.responses.hold, EngineArgs()
         assert (d.busy_stream_interval, d.busy_hold_steps, d.busy_hold_max) == \
             (args.busy_stream_interval, args.busy_hold_steps, args.busy_hold_max)
     finally:

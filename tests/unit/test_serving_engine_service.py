@@ -505,7 +505,7 @@ def test_choices_are_held_apart_and_shutdown_sends_what_is_held(clock):
 
 def test_busy_stream_interval_holds_only_while_many_requests_are_open(clock):
     svc = make_service(clock, busy_stream_interval=0.05)
-    svc.responses.busy_streams = 2
+    svc.responses.hold.busy_streams = 2
     a = submit(svc, rid="a", max_tokens=20)
     emit(svc, "a", delta("a", [1]))
     emit(svc, "a", delta("a", [2]))                       # one open request: each token goes alone
@@ -521,7 +521,7 @@ def test_busy_stream_interval_holds_only_while_many_requests_are_open(clock):
     svc.loop.emit("b", delta("b", [3]))
     step(svc, 0.05)
     assert a.ids() == [[1], [2], [3, 4]] and b.ids() == [[1], [2, 3]]
-    svc.responses.stream_interval = 0.2                   # an explicit stream_interval wins
+    svc.responses.hold.stream_interval = 0.2                   # an explicit stream_interval wins
     assert svc.responses.hold_interval() == 0.2
 
 
@@ -529,7 +529,7 @@ def test_busy_hold_grows_with_the_open_streams_up_to_twice(clock):
     """About the same responses per second at any load: the hold scales with the open requests
     past busy_streams, capped at BUSY_SCALE_MAX times busy_stream_interval."""
     svc = make_service(clock, busy_stream_interval=0.05, **STEP_HOLD)
-    svc.responses.busy_streams = 2
+    svc.responses.hold.busy_streams = 2
     holds, responders = [], []
     for i in range(6):
         responders.append(submit(svc, rid=f"r{i}", max_tokens=20))

@@ -216,7 +216,7 @@ def test_gathered_responses_are_the_same_text_byte_for_byte(post, seed):
     ids = post.tokenizer.encode(text, add_special_tokens=False) + [rng.randrange(300) for _ in range(12)]
     clock = Clock()
     svc = service(clock, post, busy_stream_interval=0.05)
-    svc.responses.busy_streams = 1
+    svc.responses.hold.busy_streams = 1
     r = submit(svc, "a", ENSEMBLE_WANT)
     step(svc, clock)
     for d in engine_deltas("a", ids, [rng.randint(1, 3) for _ in range(len(ids))]):

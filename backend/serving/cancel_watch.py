@@ -1,0 +1,69 @@
+"""Noticing that a client went away, and stopping its request.
+
+Cancellation costs an ``is_cancelled()`` IPC round trip, so it is checked per request on a time
+basis: at most once per ``cancel_check_interval`` when the request sends (``ensemble_cancel_interval``
+for a step of the ``llm`` ensemble, which Triton never tells about a cancel: its clients send an
+explicit abort), and by the sweep (every ``sweep_interval``, or the request's own longer interval)
+when it sends nothing. A cancel seen is aborted in the engine at once, so the request's blocks are
+free before the engine's next step. Runs on the response thread only.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+from backend import protocol as P
+from backend.serving.latency import ABORT_TO_FREE
+from backend.serving.messages import RequestHandle
+
+CANCEL_CHECK_INTERVAL = 0.02    # s; at the 16-stream goal rate (~20 ms a token) about every other send
+ENSEMBLE_CANCEL_CHECK = 1.0     # s; steps of the llm ensemble (Triton does not tell them about cancels)
+
+
+class CancelWatch:
+    def __init__(self, loop: Any, metrics: Any, *, on_cancel: Callable[[RequestHandle], None],
+                 sweep_interval: float = 0.1, cancel_check_interval: float = CANCEL_CHECK_INTERVAL,
+                 ensemble_cancel_interval: float = ENSEMBLE_CANCEL_CHECK) -> None:
+        self.loop, self.metrics = loop, metrics
+        self._on_cancel = on_cancel                 # the response thread drops the held tokens
+        self.sweep_interval = sweep_interval
+        self.cancel_check_interval = cancel_check_interval
+        self.ensemble_cancel_interval = ensemble_cancel_interval
+
+    def opened(self, h: RequestHandle) -> None:
+        # A step of the llm ensemble (it asks for the text outputs, never the token window) is not
+        # told about client cancels: ask for it only once a second (at 32 streams, every 100 ms
+        # was as many IPC round trips as the gathered sends themselves).
+        ensemble_step = h.want is not None and P.TEXT_LOGPROBS in h.want and P.WINDOW_IDS not in h.want
+        h.cancel_every = self.ensemble_cancel_interval if ensemble_step else self.cancel_check_interval
+
+    def seen(self, h: RequestHandle, now: float) -> bool:
+        """Ask Triton at most once per the request's interval whether the client went away."""
+        return now - h.last_check >= h.cancel_every and self.check(h, now)
+
+    def check(self, h: RequestHandle, now: float) -> bool:
+        h.last_check = now
+        try:
+            gone = h.responder.is_cancelled()
+        except Exception:                   # noqa: BLE001
+            gone = True
+        if gone:
+            self.cancel(h, now)
+        return gone
+
+    def cancel(self, h: RequestHandle, now: float) -> None:
+        """Stop generating; the request's FINAL goes out bare when the engine's abort delta comes."""
+        h.cancelled = True
+        self._on_cancel(h)
+        fut = self.loop.abort(h.rid)
+        m = self.metrics
+        if m is not None:
+            def freed(f) -> None:           # runs on the engine thread: only a queue put
+                if not f.cancelled() and f.exception() is None and f.result() is not None:
+                    m.observe(ABORT_TO_FREE, f.result() - now)
+            fut.add_done_callback(freed)
+
+    def sweep(self, open_requests: Iterable[RequestHandle], now: float) -> None:
+        """Requests that send nothing for a while (queued, non-streaming) are checked here."""
+        for h in list(open_requests):
+            if not h.done and not h.cancelled and now - h.last_check >= max(self.sweep_interval, h.cancel_every):
+                self.check(h, now)
