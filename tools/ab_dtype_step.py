@@ -5,7 +5,9 @@ C step (AMX / VDPBF16PS, docs/kernels.md "bf16 models"), side by side in one pro
 
 MODEL: a checkpoint directory or a load/stack.py preset (bench-15m, bench-110m). Cases (block size
 16, random tokens, contexts 64-192): decodes of 1, 4, 16 and 32 sequences, a 64-token prompt with
-15 decodes, prompts of 136 and 512 tokens. Prints best-of-``reps`` wall ms per side and the bf16
+15 decodes, prompts of 136 and 512 tokens (``--only decode``: the cases whose name has that text).
+Where the CPU has AVX512-BF16, a fourth side, "bf16 fused avx2", pins the fused step's AVX2 bf16
+kernels (what an AVX2-only host runs). Prints best-of-``reps`` wall ms per side and the bf16
 fused step's largest logit difference from the bf16 torch path (relative to the largest logit).
 The decodes' "cached" context is never written, so that difference describes random K/V, not a
 real prompt: tests/unit/test_model_fused_decode.py holds the accuracy checks.
@@ -69,6 +71,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--amx-sweep", action="store_true")
+    ap.add_argument("--only", default="", help="run only the cases whose name contains this")
     a = ap.parse_args()
     path = str(resolve_model(a.model))
     rng = random.Random(0)
@@ -84,18 +87,24 @@ def main() -> None:
     if r32.fused is None or fused_bf16 is None:
         raise SystemExit("the fused step is not available for this model or CPU (bf16 needs AVX512-BF16)")
     fused_bf16.max_tokens = 1 << 30
+    sides = {"fp32 fused": r32.fused, "bf16 torch": None, "bf16 fused": fused_bf16}
+    if rb.fused._lib.bf16_dot_supported():
+        from backend.model.fused_decode import FusedDecoder
+
+        sides["bf16 fused avx2"] = FusedDecoder(rb.model, rb.kv_caches, BS, rb.fused._lib, bf16_avx2=True)
+        sides["bf16 fused avx2"].max_tokens = 1 << 30
     ctx = lambda: rng.randrange(64, 192)  # noqa: E731
     cases = [("decode 1", [(128, 1)]), ("decode 4", [(ctx(), 1) for _ in range(4)]),
              ("decode 16", [(ctx(), 1) for _ in range(16)]), ("decode 32", [(ctx(), 1) for _ in range(32)]),
              ("mixed 64+15", [(0, 64)] + [(ctx(), 1) for _ in range(15)]),
              ("prefill 136", [(0, 136)]), ("prefill 512", [(0, 512)])]
-    for name, shape in cases:
+    for name, shape in [c for c in cases if a.only in c[0]]:
         batch = make_batch(shape, r32.info.vocab_size, rng)
         row, logits = {"case": name}, {}
-        for side in ("fp32 fused", "bf16 torch", "bf16 fused"):
+        for side, fused in sides.items():
             r = r32 if side.startswith("fp32") else rb
             if r is rb:
-                rb.fused = fused_bf16 if side.endswith("fused") else None
+                rb.fused = fused
             times = []
             for _ in range(a.reps + 1):                       # the first is a warm-up
                 t0 = time.perf_counter()
@@ -103,7 +112,8 @@ def main() -> None:
                 times.append(time.perf_counter() - t0)
             row[side] = round(min(times[1:]) * 1e3, 2)
         ref = logits["bf16 torch"]
-        row["bf16 fused vs torch"] = float(f"{((logits['bf16 fused'] - ref).abs().max() / ref.abs().max()).item():.1e}")
+        for side in [s for s in sides if s.startswith("bf16 fused")]:
+            row[f"{side} vs torch"] = float(f"{((logits[side] - ref).abs().max() / ref.abs().max()).item():.1e}")
         print(json.dumps(row), flush=True)
 
 
