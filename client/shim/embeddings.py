@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 from backend import protocol as P
 from client.errors import TritonLLMError
 from client.shim import limits as L
-from client.shim.errors import from_llm_error, model_not_found
+from client.shim.errors import OpenAIError, from_llm_error, model_not_found
 from client.shim.generation import ClientDisconnected, until_disconnect
 from client.shim.routes import authenticated
 from client.shim.tenants import KeyPolicy
@@ -87,6 +87,9 @@ async def embeddings(body: EmbeddingRequest, request: Request, key: KeyPolicy = 
     params: dict = {P.DIMENSIONS: body.dimensions, P.NORMALIZE: body.normalize}
     if not state.settings.allow_shared_prefix and key.tenant:
         params[P.TENANT] = key.tenant               # prefix-cache reads stay within the tenant
+    if not hasattr(state.client, "embed"):       # e.g. the prefill/decode pair's client
+        raise OpenAIError(501, "This deployment does not serve embeddings.", "invalid_request_error", None,
+                          "not_implemented")
     rid = f"embd-{uuid.uuid4().hex}"
     slot = state.in_flight.acquire(key)
     try:

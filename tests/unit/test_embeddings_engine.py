@@ -207,3 +207,31 @@ def test_preempted_mean_pooling_restarts_its_sum(tmp_path):
     want = torch.nn.functional.normalize(hf_hidden(str(model_dir("tiny")))[10].mean(0), dim=0)
     torch.testing.assert_close(torch.tensor(finals["e"].embedding), want, atol=1e-4, rtol=0)
     assert engine.kv.stats().num_used_blocks == 0
+
+
+@pytest.mark.parametrize("spec", ["ngram", "draft_model"])
+def test_embeddings_beside_speculative_decoding(spec):
+    """Embedding requests never carry draft tokens; the vectors and the speculating generation are
+    the same as without speculation."""
+    cfg = ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+           if spec == "ngram" else {"method": "draft_model", "model": str(model_dir("tiny")), "num_speculative_tokens": 3})
+    gen = [[5, 6, 7, 5, 6, 7, 5, 6] * 4]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = LLM(str(model_dir("tiny")), **OPTIONS)
+    want_gen = plain.generate(gen, params)[0].outputs[0].token_ids
+    want_emb = plain.embed(prompts()[:6])
+    llm = LLM(str(model_dir("tiny")), **OPTIONS, speculative_config=cfg)
+    engine = llm.engine
+    engine.add_request("g", gen[0], params)
+    for i, p in enumerate(prompts()[:6]):
+        engine.add_request(f"e{i}", p, pooling=PoolingParams())
+    toks, vecs = [], {}
+    while engine.has_unfinished():
+        for d in engine.step():
+            toks += d.new_token_ids if d.request_id == "g" else []
+            if d.embedding is not None:
+                vecs[d.request_id] = d.embedding
+    assert toks == want_gen
+    for i, w in enumerate(want_emb):
+        torch.testing.assert_close(torch.tensor(vecs[f"e{i}"]), torch.tensor(w.outputs.embedding), atol=1e-5, rtol=0)
+    assert engine.kv.stats().num_used_blocks == 0
