@@ -51,6 +51,8 @@ class EngineArgs:
     kv_connector_host: str = "127.0.0.1"          # tcp: where the prefill side serves staged KV
     kv_connector_port: int = 0                    # tcp: 0 = any free port
     kv_staged_ttl_s: float = 60.0                 # prefill: staged KV nobody fetched is dropped after this
+    kv_secret_file: str | None = None             # tcp: the pair's shared secret (a 0600 file; serve --disagg
+                                                  # makes one per pair); required beyond loopback
 
     def __post_init__(self) -> None:
         from backend.spec.config import SpeculativeConfig
@@ -63,6 +65,11 @@ class EngineArgs:
             raise ValueError(f"role must be unified, prefill or decode (got {self.role!r})")
         if self.kv_connector not in ("shm", "tcp"):
             raise ValueError(f"kv_connector must be shm or tcp (got {self.kv_connector!r})")
+        from backend.disagg.secret import is_loopback
+        if (self.role == "prefill" and self.kv_connector == "tcp" and not self.kv_secret_file
+                and not is_loopback(self.kv_connector_host)):
+            raise ValueError(f"kv_connector_host={self.kv_connector_host} is beyond loopback: give "
+                             "kv_secret_file (a 0600 file with the pair's shared secret)")
 
     @classmethod
     def from_dict(cls, d: dict) -> "EngineArgs":

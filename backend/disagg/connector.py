@@ -2,22 +2,33 @@
 
 Pull model, in three calls::
 
-    loc = conn.stage(transfer_id, blocks)          # prefill side, right after the first token:
+    loc = conn.stage(blocks, owner=salt)           # prefill side, right after the first token:
                                                    #   blocks = [n, layers, 2, block_size, heads, dim]
                                                    #   (KVCacheStorage.read_blocks); the prefill
                                                    #   pool's blocks are free again on return
-    data = conn.fetch(loc, first_block, count)     # decode side, once it has allocated blocks:
+    data = conn.fetch(loc, first, count, owner=salt)   # decode side, once it has allocated blocks:
                                                    #   only blocks it does not already hold
                                                    #   (its prefix-cache hits are never moved)
     conn.discard(data)                             # decode side, once written: free it (off the step)
-    conn.release(loc)                              # either side: drop what is staged (idempotent)
+    conn.release(loc, owner=salt)                  # either side: drop what is staged (idempotent)
 
 ``fetch`` consumes the staged data (a transfer is read once). It raises :class:`TransferError`
 on any failure (peer gone, dropped mid-way, size mismatch); the decode side then recomputes the
 prompt itself, so a failed transfer costs time, never a wrong answer.
+
+A transfer's id is 128 random bits (``new_transfer_id``), unrelated to the request id. It belongs
+to its ``owner`` (the staging request's prefix-cache salt, i.e. its tenant): a fetch or release
+on behalf of another owner is refused as if the transfer did not exist, and leaves it staged.
+``release`` without ``owner`` is the staging side dropping its own transfer. Every locator is
+checked (``check_locator``) against the fetching pool's geometry (``set_geometry``) before a byte
+is allocated.
 """
 from __future__ import annotations
 
+import hashlib
+import math
+import re
+import secrets
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -30,6 +41,69 @@ class TransferError(RuntimeError):
     """A KV transfer failed; the caller falls back to recomputing."""
 
 
+TRANSFER_ID = re.compile(r"[0-9a-f]{32}")
+KV_DTYPES = ("float32", "float16", "bfloat16")
+MAX_FETCH_BYTES = 1 << 32            # without a geometry: no single fetch above 4 GiB
+
+
+def new_transfer_id() -> str:
+    return secrets.token_hex(16)
+
+
+def owner_tag(owner: str | None) -> str:
+    """What travels for an owner (salt): a digest, so a tenant's name is not on the wire."""
+    return hashlib.sha256(b"llmkv-owner\0" + (owner or "").encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """What the fetching pool can take: one block's shape [layers, 2, block_size, kv_heads,
+    head_dim], its dtype name, and the most blocks one request can have."""
+    block_shape: tuple[int, ...]
+    dtype: str
+    max_blocks: int
+
+    @classmethod
+    def of_engine(cls, engine) -> "KVGeometry | None":
+        kv = engine.kv
+        if kv.storage is None:
+            return None
+        return cls(tuple(kv.storage.block_shape), str(kv.storage.dtype).removeprefix("torch."),
+                   -(-engine.limits.max_model_len // kv.block_size))
+
+
+def _int(v, lo: int, hi: int, what: str) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise TransferError(f"{what} must be an integer in [{lo}, {hi}], got {v!r}")
+    return v
+
+
+def check_locator(locator, first_block, count, geometry: KVGeometry | None,
+                  max_bytes: int = MAX_FETCH_BYTES) -> tuple[list[int], str, int]:
+    """(shape, dtype name, bytes to fetch) of a locator that fits ``geometry``; TransferError
+    otherwise. Runs before anything is allocated or any connection made."""
+    if not isinstance(locator, dict):
+        raise TransferError("locator is not an object")
+    shape, dtype = locator.get("shape"), locator.get("dtype")
+    if not isinstance(shape, list) or len(shape) != 6:
+        raise TransferError(f"locator shape must be 6 integers, got {shape!r}")
+    hi = geometry.max_blocks if geometry is not None else 1 << 20
+    _int(shape[0], 1, hi, "locator block count")
+    for d in shape[1:]:
+        _int(d, 1, 1 << 20, "locator block dimension")
+    if dtype not in KV_DTYPES:
+        raise TransferError(f"locator dtype must be one of {', '.join(KV_DTYPES)}, got {dtype!r}")
+    if geometry is not None and (tuple(shape[1:]) != geometry.block_shape or dtype != geometry.dtype):
+        raise TransferError(f"locator blocks {shape[1:]} {dtype} differ from this pool's "
+                            f"{list(geometry.block_shape)} {geometry.dtype}")
+    _int(first_block, 0, shape[0], "first block")
+    _int(count, 0, shape[0] - first_block, "block count")
+    nbytes = count * math.prod(shape[1:]) * (4 if dtype == "float32" else 2)
+    if nbytes > max_bytes:
+        raise TransferError(f"a fetch of {nbytes} bytes exceeds {max_bytes}")
+    return shape, dtype, nbytes
+
+
 @dataclass
 class TransferStats:
     """Monotonic counters; ``snapshot()`` copies them for the metrics thread."""
@@ -39,6 +113,9 @@ class TransferStats:
     fetched_bytes: int = 0           # bytes that crossed to the decode side
     skipped_blocks: int = 0          # staged blocks the decode side already had (prefix hits)
     failed: int = 0
+    refused: int = 0                 # fetches / releases refused: unknown transfer, other owner, bad locator
+    auth_failures: int = 0           # connections that did not prove the secret (TCP server)
+    rx_alloc_bytes: int = 0          # bytes allocated for what peers sent (TCP fetch payloads)
     released: int = 0
     expired: int = 0                 # staged transfers dropped by the TTL (never fetched nor released)
     stage_seconds: float = 0.0
@@ -51,35 +128,43 @@ class KVConnector(ABC):
     def __init__(self) -> None:
         self._stats = TransferStats()
         self._lock = threading.Lock()      # stats are bumped from server threads too
+        self.geometry: KVGeometry | None = None
+
+    def set_geometry(self, geometry: KVGeometry | None) -> None:
+        """The fetching pool's KV geometry: every locator is checked against it."""
+        self.geometry = geometry
 
     @abstractmethod
-    def _stage(self, transfer_id: str, blocks: torch.Tensor) -> dict: ...
+    def _stage(self, transfer_id: str, blocks: torch.Tensor, owner: str) -> dict: ...
 
     @abstractmethod
-    def _fetch(self, locator: dict, first_block: int, count: int) -> torch.Tensor: ...
+    def _fetch(self, locator: dict, first_block: int, count: int, owner: str) -> torch.Tensor: ...
 
     @abstractmethod
-    def release(self, locator: dict) -> None: ...
+    def release(self, locator: dict, owner: str | None = None) -> None: ...
 
-    def stage(self, transfer_id: str, blocks: torch.Tensor) -> dict:
+    def stage(self, blocks: torch.Tensor, *, owner: str | None = None) -> dict:
+        """Stage ``blocks`` for ``owner`` (a salt) under a fresh random transfer id."""
         t0 = time.perf_counter()
-        loc = self._stage(transfer_id, blocks.contiguous())
+        loc = self._stage(new_transfer_id(), blocks.contiguous(), owner_tag(owner))
         loc.update(kind=self.kind, shape=list(blocks.shape), dtype=str(blocks.dtype).removeprefix("torch."))
         self._count(staged=1, staged_bytes=blocks.numel() * blocks.element_size(),
                     stage_seconds=time.perf_counter() - t0)
         return loc
 
-    def fetch(self, locator: dict, first_block: int, count: int) -> torch.Tensor:
-        """Blocks [first_block, first_block + count) of a staged transfer, then released."""
-        if locator.get("kind") != self.kind:
-            raise TransferError(f"locator of a {locator.get('kind')!r} connector given to {self.kind!r}")
-        total = locator["shape"][0]
-        if not (0 <= first_block and count >= 0 and first_block + count <= total):
-            self.release(locator)
-            raise TransferError(f"blocks [{first_block}, {first_block + count}) out of {total} staged")
+    def fetch(self, locator: dict, first_block: int, count: int, *, owner: str | None = None) -> torch.Tensor:
+        """Blocks [first_block, first_block + count) of a staged transfer of ``owner``, then released."""
+        if not isinstance(locator, dict) or locator.get("kind") != self.kind:
+            kind = locator.get("kind") if isinstance(locator, dict) else None
+            raise TransferError(f"locator of a {kind!r} connector given to {self.kind!r}")
+        try:
+            check_locator(locator, first_block, count, self.geometry)
+        except TransferError:
+            self._count(refused=1)
+            raise
         t0 = time.perf_counter()
         try:
-            data = self._fetch(locator, first_block, count)
+            data = self._fetch(locator, first_block, count, owner_tag(owner))
         except TransferError:
             self._count(failed=1)
             raise
@@ -145,9 +230,12 @@ class KVConnector(ABC):
 
 
 def make_connector(args) -> KVConnector:
-    """The connector EngineArgs name (kv_connector, kv_connector_host / _port for tcp)."""
+    """The connector EngineArgs name (kv_connector; for tcp kv_connector_host / _port and the
+    shared secret read from kv_secret_file)."""
     if args.kv_connector == "shm":
         from backend.disagg.shm import SharedMemoryConnector
         return SharedMemoryConnector()
     from backend.disagg.tcp import TcpConnector
-    return TcpConnector(args.kv_connector_host, args.kv_connector_port)
+    from backend.disagg.secret import load_secret
+    secret = load_secret(args.kv_secret_file) if args.kv_secret_file else None
+    return TcpConnector(args.kv_connector_host, args.kv_connector_port, secret=secret)

@@ -24,17 +24,22 @@ blocks when the write is done.
 A record whose KV is unusable (transfer failed, nothing staged, pool shape differs) is admitted
 as an ordinary waiting request carrying its first token: this engine recomputes the prompt, so
 the output is the same, only later. Never a wrong answer: no KV is written unless the whole
-fetched range arrived with the expected shape.
+fetched range arrived with the expected shape (and, over TCP, its MAC).
+
+The record is not trusted: the caller validates it (``Handover.validate``) before ``submit``, and
+``submit`` takes the request's salt and priority from the caller's own request, never from the
+record; the salt is the owner the connector checks the transfer against (another tenant's
+transfer is refused and left staged) and the prefix-cache salt of the blocks committed here.
+A record that still fails here ends that request with an error, never the engine thread.
 """
 from __future__ import annotations
 
-import queue
-import threading
 import time
 from dataclasses import dataclass
 
-from backend.disagg.connector import KVConnector, TransferError
+from backend.disagg.connector import KVConnector, KVGeometry, TransferError
 from backend.disagg.handover import Handover
+from backend.disagg.placer import KVPlacer, Job
 from backend.engine.admission import duplicate_id, validate_request
 from backend.engine.deltas import make_deltas
 from backend.engine.sequence import Request
@@ -54,63 +59,7 @@ class DecodeStats:
     placed_async: int = 0           # of admitted + recomputed: fetched and written by the placer
 
 
-PLACER_THREAD = "kv-admit"          # the placer thread's name (also at the OS level, for apply_layout)
 ASYNC_MIN_BLOCKS = 8                # fetch + write of records this large go to the placer (128 tokens)
-
-
-class _Job:
-    """One record's fetch + KV write on the placer thread."""
-    __slots__ = ("rec", "req", "seq", "first", "block_ids", "done", "error", "seconds", "aborted")
-
-    def __init__(self, rec, req, seq, first: int, block_ids: list[int]) -> None:
-        self.rec, self.req, self.seq, self.first, self.block_ids = rec, req, seq, first, block_ids
-        self.done = threading.Event()
-        self.error: Exception | None = None
-        self.seconds = 0.0
-        self.aborted = False                        # engine thread only
-
-
-class KVPlacer:
-    """A thread that fetches hand-overs' KV and writes it into blocks the engine thread allocated.
-    It touches no engine state but those blocks' storage; everything else (allocation, commit,
-    scheduling, freeing) stays on the engine thread. Started at once (it exists before the
-    server's threads are placed) and named at the OS level (``PLACER_THREAD``)."""
-
-    def __init__(self, connector: KVConnector, storage) -> None:
-        self.connector = connector
-        self.storage = storage
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=PLACER_THREAD, daemon=True)
-        self._thread.start()
-
-    def submit(self, job: _Job) -> None:
-        self._q.put(job)
-
-    def close(self) -> None:
-        self._q.put(None)
-
-    def _run(self) -> None:
-        try:
-            with open(f"/proc/self/task/{threading.get_native_id()}/comm", "w") as f:
-                f.write(PLACER_THREAD)
-        except OSError:
-            pass
-        while True:
-            job = self._q.get()
-            if job is None:
-                return
-            t0 = time.perf_counter()
-            try:
-                rec = job.rec
-                data = self.connector.fetch(rec.locator, job.first, rec.num_blocks - job.first)
-                self.storage.write_blocks(job.block_ids, data)
-                del data                            # shm: unmapped here, off the decode core
-            except TransferError as exc:
-                job.error = exc
-            except Exception as exc:                # noqa: BLE001 - any failure: recompute
-                job.error = TransferError(f"{type(exc).__name__}: {exc}")
-            job.seconds = time.perf_counter() - t0
-            job.done.set()
 
 
 class DecodeRole:
@@ -122,7 +71,9 @@ class DecodeRole:
         self.stats = DecodeStats()
         self.placer = placer
         self.async_min_blocks = async_min_blocks     # bench A/B: a huge value = all inline
-        self.placing: dict[str, _Job] = {}           # on the placer, in submission order
+        self.placing: dict[str, Job] = {}           # on the placer, in submission order
+        self.callers: dict[str, tuple[str | None, int]] = {}   # request id -> the caller's (salt, priority)
+        connector.set_geometry(KVGeometry.of_engine(engine))  # every locator is checked against this pool
 
     def busy(self) -> bool:
         """Records not admitted yet, or being placed."""
@@ -131,8 +82,10 @@ class DecodeRole:
     def holds(self, request_id: str) -> bool:
         return request_id in self.pending or request_id in self.placing
 
-    def submit(self, record: Handover) -> None:
+    def submit(self, record: Handover, *, salt: str | None = None, priority: int = 0) -> None:
+        """Queue a validated record; ``salt`` and ``priority`` are the caller's own request's."""
         self.pending[record.request_id] = record
+        self.callers[record.request_id] = (salt, priority)
 
     def abort(self, request_id: str) -> list[StepDelta] | None:
         """Abort a hand-over not admitted yet (its staged KV is dropped; one being placed frees
@@ -145,8 +98,7 @@ class DecodeRole:
         rec = self.pending.pop(request_id, None)
         if rec is None:
             return None
-        if rec.locator is not None:
-            self.connector.release(rec.locator)
+        self._drop(rec, self.callers.pop(request_id, (None, 0))[0])
         self.stats.aborted_pending += 1
         return [_final(rec, "abort", None)]
 
@@ -155,10 +107,18 @@ class DecodeRole:
         and a KV write before the next decode step: a burst spread over steps keeps ITL even)."""
         deltas = self.collect() if self.placing else []
         for rid in list(self.pending)[:limit]:
-            out = self._admit(self.pending[rid])
+            rec = self.pending[rid]
+            salt, priority = self.callers.get(rid, (None, 0))
+            try:
+                out = self._admit(rec, salt, priority)
+            except Exception as exc:                  # noqa: BLE001 - a bad record ends its request, not the engine
+                self._abandon(rec, salt)
+                self.stats.rejected += 1
+                out = [_final(rec, "error", internal(f"bad hand-over: {type(exc).__name__}: {exc}"))]
             if out is None:
                 break                                 # no room: keep order, retry next step
             del self.pending[rid]
+            self.callers.pop(rid, None)
             deltas += out
         return deltas
 
@@ -174,11 +134,11 @@ class DecodeRole:
             seq = job.seq
             if job.aborted:
                 kv.free(seq.seq_id)
-                self._drop(job.rec)
+                self._drop(job.rec, job.req.salt)
                 continue
             if job.error is not None:
                 kv.free(seq.seq_id)
-                self._drop(job.rec)
+                self._drop(job.rec, job.req.salt)
                 self.stats.recomputed += 1
                 sched.add_request(job.req)
             else:
@@ -196,7 +156,14 @@ class DecodeRole:
             return
 
     # -- one record ---------------------------------------------------------------------------
-    def _admit(self, rec: Handover) -> list[StepDelta] | None:
+    def _abandon(self, rec: Handover, salt: str | None) -> None:
+        """A record that failed on the engine thread: free what it may hold here (unless its id
+        is a running request's) and release its staged KV."""
+        if rec.request_id not in self.engine.scheduler.requests and rec.request_id not in self.placing:
+            self.engine.kv.free(f"{rec.request_id}#0")          # Sequence.seq_id of choice 0; unknown: no-op
+        self._drop(rec, salt)
+
+    def _admit(self, rec: Handover, salt: str | None, priority: int) -> list[StepDelta] | None:
         eng, sched, kv = self.engine, self.engine.scheduler, self.engine.kv
         try:
             params = rec.sampling_params()
@@ -204,7 +171,7 @@ class DecodeRole:
             if rec.request_id in sched.requests:
                 raise duplicate_id(rec.request_id)
         except (EngineError, ValueError, TypeError) as exc:
-            self._drop(rec)
+            self._drop(rec, salt)
             self.stats.rejected += 1
             err = exc if isinstance(exc, EngineError) else internal(f"bad hand-over: {exc}")
             return [_final(rec, "error", err)]
@@ -212,7 +179,7 @@ class DecodeRole:
             return None
         now = time.monotonic()
         req = Request(rec.request_id, list(rec.prompt_token_ids), params, max_tokens=min(max_tokens, rec.max_tokens),
-                      stream=rec.stream, salt=rec.salt, priority=rec.priority,
+                      stream=rec.stream, salt=salt, priority=priority,
                       deadline=None if rec.deadline_in is None else now + rec.deadline_in,
                       arrival_time=now - rec.queue_time)
         req.first_scheduled_time = req.first_token_time = now
@@ -227,7 +194,7 @@ class DecodeRole:
             seq.logprobs.append(lp)
         eng.stop_checker.check(seq, rec.first_token)   # stream state (held stop-string text)
         if seq.finish_reason is not None:            # cannot happen with the same params; be safe
-            self._drop(rec)
+            self._drop(rec, salt)
             seq.status = seq.status.FINISHED
             return make_deltas([seq], eng.stop_checker)
 
@@ -245,34 +212,34 @@ class DecodeRole:
                 return make_deltas([seq], eng.stop_checker)
         # Fallback: recompute the prompt here (the first token stays; the next one is sampled
         # after the recomputed prompt + first token, exactly as a unified engine would).
-        self._drop(rec)
+        self._drop(rec, salt)
         self.stats.recomputed += 1
         sched.add_request(req)
         return make_deltas([seq], eng.stop_checker)
 
-    def _place(self, rec: Handover, seq, req=None) -> bool | str | None:
+    def _place(self, rec: Handover, seq, req) -> bool | str | None:
         """Allocate, fetch and write the prompt's KV. True = done; False = transfer failed
         (nothing held); None = no room (nothing held, the KV stays staged); "async" = the
         blocks are allocated and the placer fetches and writes them (``collect``)."""
         kv = self.engine.kv
         n = rec.num_kv_tokens
-        cached = kv.acquire_prefix(seq.seq_id, rec.prompt_token_ids, rec.salt)
+        cached = kv.acquire_prefix(seq.seq_id, rec.prompt_token_ids, req.salt)
         if cached is None:
             return None
         if not kv.allocate_slots(seq.seq_id, n):
             kv.free(seq.seq_id)
             return None
         first = cached // kv.block_size
-        if (self.placer is not None and req is not None and rec.num_blocks - first >= self.async_min_blocks
+        if (self.placer is not None and rec.num_blocks - first >= self.async_min_blocks
                 and self.engine.has_unfinished()):  # streams to keep even; else inline is sooner
-            job = _Job(rec, req, seq, first, kv.block_table(seq.seq_id)[first:rec.num_blocks])
+            job = Job(rec, req, seq, first, kv.block_table(seq.seq_id)[first:rec.num_blocks])
             self.placing[rec.request_id] = job
             self.stats.placed_async += 1
             self.placer.submit(job)
             return "async"
         t0 = time.perf_counter()
         try:
-            data = self.connector.fetch(rec.locator, first, rec.num_blocks - first)
+            data = self.connector.fetch(rec.locator, first, rec.num_blocks - first, owner=req.salt or "")
         except TransferError:
             kv.free(seq.seq_id)
             return False
@@ -292,9 +259,10 @@ class DecodeRole:
         self.stats.fetched_blocks += rec.num_blocks - first
         self.stats.prefix_hit_blocks += first
 
-    def _drop(self, rec: Handover) -> None:
+    def _drop(self, rec: Handover, salt: str | None) -> None:
+        """Release the record's staged KV, on behalf of the caller (another owner's stays)."""
         if rec.locator is not None:
-            self.connector.release(rec.locator)
+            self.connector.release(rec.locator, owner=salt or "")
 
 
 def _final(rec: Handover, reason: str, error: EngineError | None) -> StepDelta:

@@ -32,12 +32,14 @@ class DisaggPair:
         # per handed-over request: hand-over began (prefill side) -> first token emitted (decode side)
         self.handover_seconds: list[float] = []
         self._staged_at: dict[str, float] = {}
+        self._callers: dict[str, tuple[str | None, int]] = {}   # the decode side takes salt/priority from here
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params=None, **kw) -> None:
         if request_id in self.decode.scheduler.requests or request_id in self.decode_role.pending:
             from backend.engine.admission import duplicate_id
             raise duplicate_id(request_id)
         self.prefill.add_request(request_id, prompt_token_ids, params, **kw)
+        self._callers[request_id] = (kw.get("salt"), kw.get("priority", 0))
 
     def abort_request(self, request_id: str) -> bool:
         """Abort wherever the request is: prefill engine, in hand-over, or decode engine."""
@@ -50,6 +52,10 @@ class DisaggPair:
             return True
         return self.decode.abort_request(request_id)
 
+    def _forget_finished(self) -> None:
+        for rid in [r for r in self._callers if r not in self.prefill.scheduler.requests]:
+            del self._callers[rid]                 # finished (or aborted) on the prefill engine
+
     def has_unfinished(self) -> bool:
         return (self.prefill.has_unfinished() or bool(self.decode_role.pending)
                 or self.decode.has_unfinished())
@@ -58,7 +64,10 @@ class DisaggPair:
         deltas = self.prefill.step()
         for rec in self.prefill_role.take():
             self._staged_at[rec.request_id] = self.prefill_role.started.pop(rec.request_id)
-            self.decode_role.submit(rec)
+            salt, priority = self._callers.pop(rec.request_id, (None, 0))
+            self.decode_role.submit(rec, salt=salt, priority=priority)
+        if len(self._callers) > len(self.prefill.scheduler.requests):
+            self._forget_finished()
         admitted = self.decode_role.admit_pending()
         now = time.perf_counter()
         for d in admitted:

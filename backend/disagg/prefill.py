@@ -64,7 +64,8 @@ class PrefillRole:
         block_ids = eng.kv.block_table(seq.seq_id)[:-(-n_kv // bs)]
         locator = None
         try:
-            locator = self.connector.stage(req.request_id, storage.read_blocks(block_ids))
+            # a fresh random transfer id; only a request with this request's salt may fetch it
+            locator = self.connector.stage(storage.read_blocks(block_ids), owner=req.salt)
         except Exception:                     # full staging area, /dev/shm full...: decode recomputes
             self.staging_failures += 1
         lp = seq.logprobs[0] if seq.logprobs else None
@@ -72,7 +73,7 @@ class PrefillRole:
             request_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids), first_token=seq.token_ids[-1],
             params=params_to_dict(req.params), max_tokens=req.max_tokens, num_kv_tokens=n_kv, block_size=bs,
             block_shape=list(storage.block_shape), dtype=dtype_name(storage.dtype), locator=locator,
-            stream=req.stream, salt=req.salt, priority=req.priority,
+            stream=req.stream,
             deadline_in=None if req.deadline is None else req.deadline - time.monotonic(),
             queue_time=req.queue_time, num_cached_tokens=req.num_cached_tokens,
             first_logprob=None if lp is None else [lp.token_id, lp.logprob, [list(t) for t in lp.top]],

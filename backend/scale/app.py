@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from ray import serve
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
+from backend.disagg.secret import new_secret
 from backend.scale.ingress import ShimIngressDeployment
 from backend.scale.replica import TritonReplica
 
@@ -85,10 +86,11 @@ def _replica_options(cfg: ScaleConfig, name: str, replicas: int, autoscale: bool
     return opts
 
 
-def role_options(engine_options: dict, role: str) -> dict:
+def role_options(engine_options: dict, role: str, kv_secret: str | None = None) -> dict:
     """A pool's engine options under disaggregation: its role, KV over TCP between replicas
-    (the prefill side's address is its node's: replica.py)."""
-    return {**engine_options, "role": role, "kv_connector": "tcp"}
+    (the prefill side's address is its node's: replica.py), authenticated by the app's
+    ``kv_secret`` (replica.py writes it to a 0600 file: docs/disaggregation.md)."""
+    return {**engine_options, "role": role, "kv_connector": "tcp", **({"kv_secret": kv_secret} if kv_secret else {})}
 
 
 def build_app(cfg: ScaleConfig):
@@ -100,14 +102,15 @@ def build_app(cfg: ScaleConfig):
         return opts
 
     disagg = cfg.prefill_replicas > 0
+    kv_secret = new_secret() if disagg else None        # one per app: its prefill and decode pools share it
     primary_opts = routed(_replica_options(cfg, "TritonReplica", cfg.replicas, cfg.autoscale))
     primary = serve.deployment(TritonReplica).options(**primary_opts).bind(
-        cfg.model_dir, role_options(cfg.engine_options, "decode") if disagg else cfg.engine_options, "primary")
+        cfg.model_dir, role_options(cfg.engine_options, "decode", kv_secret) if disagg else cfg.engine_options, "primary")
     prefill = None
     if disagg:
         pf_opts = routed(_replica_options(cfg, "PrefillReplica", cfg.prefill_replicas, False))
         prefill = serve.deployment(TritonReplica).options(**pf_opts).bind(
-            cfg.model_dir, role_options(cfg.engine_options, "prefill"), "prefill")
+            cfg.model_dir, role_options(cfg.engine_options, "prefill", kv_secret), "prefill")
     fallback = None
     if cfg.fallback_model_dir:
         fb_opts = _replica_options(cfg, "FallbackReplica", cfg.fallback_replicas, False)

@@ -20,6 +20,7 @@ import os
 import shutil
 import tempfile
 
+from backend.disagg.secret import write_secret
 from backend.serving.launcher import TritonServer
 from client.errors import TritonLLMError, UnavailableError
 
@@ -41,6 +42,9 @@ class TritonReplica:
         if engine_options.get("role") == "prefill" and engine_options.get("kv_connector") == "tcp":
             # decode replicas on other nodes fetch the staged KV from this address
             engine_options.setdefault("kv_connector_host", _node_ip())
+        if engine_options.get("kv_secret"):             # the app's KV secret: to a 0600 file, never argv
+            engine_options["kv_secret_file"] = write_secret(os.path.join(self.workdir, "kv.secret"),
+                                                            engine_options.pop("kv_secret"))
         self.server = TritonServer(model_dir, engine_options=engine_options, quiet=True,
                                    startup_timeout=startup_timeout, exit_timeout=5, workdir=self.workdir)
         self.server.start()

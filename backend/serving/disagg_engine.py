@@ -230,10 +230,10 @@ class DecodeEngine(_Wrapped):
         if rec is None:
             return self._engine.add_request(request_id, prompt_token_ids, params, **kw)
         if self.role.holds(request_id) or request_id in self._engine.scheduler.requests:
-            self.connector.release(rec.locator) if rec.locator else None
+            self.connector.release(rec.locator, owner=kw.get("salt") or "") if rec.locator else None
             raise duplicate_id(request_id)
         self._staged_at[request_id] = float(rec.extra.get("staged_at", 0.0) or 0.0)
-        self.role.submit(rec)
+        self.role.submit(rec, salt=kw.get("salt"), priority=kw.get("priority", 0))   # the caller's, not the record's
 
     def has_unfinished(self) -> bool:
         return self._engine.has_unfinished() or self.role.busy()
@@ -298,8 +298,9 @@ class DecodeLoop(EngineLoop):
     def submit(self, request_id: str, prompt_ids, params=None, *, handover: str | None = None, **kw) -> None:
         if handover is None:
             return super().submit(request_id, prompt_ids, params, **kw)
-        try:
+        try:                                        # all of it here: the engine thread gets a sound record
             rec = Handover.from_json(handover)
+            rec.validate(vocab_size=self.engine.vocab_size, max_model_len=self.engine.limits.max_model_len)
             rec_params = rec.sampling_params()
         except (ValueError, TypeError) as exc:
             raise invalid_request(P.HANDOVER, f"bad hand-over record: {exc}") from None
@@ -312,7 +313,7 @@ class DecodeLoop(EngineLoop):
         except BaseException:
             self.engine.records.pop(request_id, None)
             if rec.locator is not None:
-                self.engine.connector.release(rec.locator)
+                self.engine.connector.release(rec.locator, owner=kw.get("salt") or "")
             raise
 
 

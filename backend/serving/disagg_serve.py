@@ -4,7 +4,9 @@ between them with client/disagg_client.py (docs/disaggregation.md).
 
     prefill server  --http/--grpc/--metrics-port           (the shim's --triton-grpc)
     decode server   the same ports + 10                     (the shim's --triton-grpc-decode)
-    KV              engine option kv_connector=shm (default, one host) or tcp
+    KV              engine option kv_connector=shm (default, one host) or tcp; the pair shares a
+                    fresh secret (a 0600 file in a 0700 temporary directory, kv_secret_file) unless
+                    one is given, so the TCP connector is authenticated (docs/disaggregation.md)
 
 ``DisaggServers`` is the reusable part (tests and backend/disagg/bench_stack.py start the pair with
 it); ``pin_tree`` / ``sched_tree`` set the CPU affinity / scheduling policy and nice value of a
@@ -17,8 +19,10 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 
 from backend.serving.tritonserver import ServerStartError, TritonServer
@@ -155,7 +159,7 @@ def pin_named(pid: int, names: tuple[str, ...], cpus: set[int]) -> int:
 
 # decode-stub threads that do no token-path work and whose work is GIL-free (memcpy, page faults,
 # munmap): on the prefill CPUs under isolate / idle / split, so that they never take the decode
-# engine's core (backend/disagg/decode.py KVPlacer: a hand-over's fetch + KV write)
+# engine's core (backend/disagg/placer.py KVPlacer: a hand-over's fetch + KV write)
 OFF_DECODE_THREADS = ("kv-admit",)
 
 LAYOUTS = ("isolate", "idle", "split", "stubs", "tree")
@@ -229,6 +233,8 @@ class DisaggServers:
         from backend.serving.repository import parse_engine_options
 
         opts = parse_engine_options(engine_options)
+        self._own_secret = not opts.get("kv_secret_file")     # start() makes one for the pair
+        self._secret_dir: str | None = None
         base = pathlib.Path(workdir) if workdir else None
         p_ports, d_ports = ports or ({}, {})
         self.prefill = TritonServer(model_dir, engine_options={**opts, "role": "prefill"},
@@ -249,6 +255,12 @@ class DisaggServers:
         (PR_SET_PDEATHSIG, process_group.py), so each starter thread lives until ``stop()``."""
         errors: list[BaseException] = []
         self._held = threading.Event()
+        if self._own_secret and self._secret_dir is None:     # one secret per pair, by file (never argv)
+            from backend.disagg.secret import write_secret
+            self._secret_dir = tempfile.mkdtemp(prefix="tllm-kv-")     # mode 0700
+            path = write_secret(os.path.join(self._secret_dir, "kv.secret"))
+            for s in self.servers:
+                s.engine_options["kv_secret_file"] = path
         ready = [threading.Event() for _ in self.servers]
 
         def start(server: TritonServer, done: threading.Event) -> None:
@@ -295,6 +307,9 @@ class DisaggServers:
         held = getattr(self, "_held", None)
         if held is not None:
             held.set()
+        if self._secret_dir is not None:
+            shutil.rmtree(self._secret_dir, ignore_errors=True)
+            self._secret_dir = None
 
     def __enter__(self) -> "DisaggServers":
         return self.start()

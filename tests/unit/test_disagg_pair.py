@@ -90,7 +90,7 @@ def test_shm_pair_matches_unified(unified):
 
 def test_tcp_loopback_pair_matches_unified(unified):
     pre, dec = engine(), engine()
-    server, client = TcpConnector(token="t0k"), TcpConnector(token="t0k")
+    server, client = TcpConnector(secret="t0k" * 6), TcpConnector(secret="t0k" * 6)
     try:
         pair = DisaggPair(pre, dec, server, decode_connector=client)
         got = run(pair, [(p, GREEDY) for p in prompts()])
@@ -117,12 +117,12 @@ def test_decode_side_prefix_already_cached_is_not_fetched():
 
 
 class FailingConnector(SharedMemoryConnector):
-    def _fetch(self, locator, first_block, count):
+    def _fetch(self, locator, first_block, count, owner):
         self.release(locator)
         raise TransferError("injected: peer went away")
 
 
-@pytest.mark.parametrize("kind", ["raise", "tcp_drop", "tcp_gone", "bad_shape"])
+@pytest.mark.parametrize("kind", ["raise", "tcp_drop", "tcp_gone", "tcp_bad_secret", "bad_shape"])
 def test_failed_transfer_recomputes_same_answer(unified, kind):
     pre, dec = engine(), engine(block_size=8 if kind == "bad_shape" else 16)
     extra = []
@@ -130,6 +130,9 @@ def test_failed_transfer_recomputes_same_answer(unified, kind):
         conn, dconn = FailingConnector(), None
     elif kind == "bad_shape":
         conn, dconn = SharedMemoryConnector(), None
+    elif kind == "tcp_bad_secret":                  # the decode side cannot prove the pair's secret
+        conn, dconn = TcpConnector(secret="the-pair-secret-0123"), TcpConnector(secret="a-guess-0123456789")
+        extra.append(conn)
     else:
         conn = TcpConnector(fail_after_bytes=1000 if kind == "tcp_drop" else None)
         dconn = TcpConnector(timeout=2.0)
@@ -137,7 +140,7 @@ def test_failed_transfer_recomputes_same_answer(unified, kind):
     pair = DisaggPair(pre, dec, conn, decode_connector=dconn)
     if kind == "tcp_gone":
         conn.serve()
-        conn._stage = lambda tid, blocks: {"host": "127.0.0.1", "port": 1, "id": tid}  # nobody listens there
+        conn._stage = lambda tid, blocks, owner: {"host": "127.0.0.1", "port": 1, "id": tid}  # nobody listens there
     try:
         got = run(pair, [(p, GREEDY) for p in prompts()])
     finally:
@@ -145,6 +148,8 @@ def test_failed_transfer_recomputes_same_answer(unified, kind):
             c.close()
     assert got == unified
     assert pair.decode_role.stats.recomputed == len(LENGTHS) and pair.decode_role.stats.admitted == 0
+    if kind == "tcp_bad_secret":                    # refused before the decode side allocated a byte
+        assert dconn.stats().rx_alloc_bytes == 0 and dconn.stats().failed == len(LENGTHS)
     assert_clean(pre, dec)
     assert not shm_leftovers()
 
@@ -211,8 +216,8 @@ def test_abort_at_each_stage_frees_both_sides():
 
 
 class CorruptingConnector(SharedMemoryConnector):
-    def _fetch(self, locator, first_block, count):
-        return torch.zeros_like(super()._fetch(locator, first_block, count))
+    def _fetch(self, locator, first_block, count, owner):
+        return torch.zeros_like(super()._fetch(locator, first_block, count, owner))
 
 
 def test_the_kv_really_is_what_decode_uses(unified):

@@ -108,10 +108,10 @@ class _GatedConnector:
     def __init__(self, inner) -> None:
         self.inner, self.gate, self.entered = inner, threading.Event(), threading.Event()
 
-    def fetch(self, *a):
+    def fetch(self, *a, **kw):
         self.entered.set()
         assert self.gate.wait(30)
-        return self.inner.fetch(*a)
+        return self.inner.fetch(*a, **kw)
 
 
 def _wait_for(cond, timeout: float = 30.0) -> None:
@@ -172,3 +172,35 @@ def test_abort_while_the_placer_writes_frees_the_blocks_once_it_is_done(loops):
         assert pre.engine.connector.num_staged() == 0         # the segment was consumed or released
     finally:
         placer.connector = gated.inner
+
+
+def test_a_forged_record_is_that_requests_400_and_the_loop_keeps_serving(loops):
+    pre, dec = loops["prefill"], loops["decode"]
+    good = json.loads(_handover(pre, "f1", PROMPT))
+    q: queue.Queue = queue.Queue()
+    for over in ({"queue_time": "soon"}, {"generator_state": "AAAA"}, {"first_token": 10 ** 9},
+                 {"num_kv_tokens": 3}, {"locator": {**good["locator"], "shape": [10 ** 6, 1]}}):
+        with pytest.raises(EngineError, match="bad hand-over record") as err:
+            dec.submit("f1", PROMPT, PARAMS, sink=q, handover=json.dumps({**good, **over}))
+        assert err.value.param == "handover"
+    assert q.empty() and dec.healthy and not dec.engine.role.busy()
+    dec.submit("f1", PROMPT, PARAMS, sink=q, handover=json.dumps(good))
+    assert [t for d in _drain(q) for t in d.new_token_ids] == _unified_tokens()
+
+
+def test_the_decode_side_takes_the_callers_salt_and_cannot_fetch_another_tenants_kv(loops):
+    """The record was staged for tenant a; the continuation arrives as tenant b: the transfer is
+    refused (and stays staged for a), b's request is recomputed to the same tokens."""
+    pre, dec = loops["prefill"], loops["decode"]
+    q: queue.Queue = queue.Queue()
+    pre.submit("t1", PROMPT[5:], PARAMS, sink=q, salt="tenant:a")
+    (final,) = _drain(q)
+    staged = pre.engine.connector.num_staged()
+    stats = dec.engine.role.stats
+    admitted, recomputed = stats.admitted, stats.recomputed
+    dec.submit("t1", PROMPT[5:], PARAMS, sink=q, handover=final.handover, salt="tenant:b")
+    assert [t for d in _drain(q) for t in d.new_token_ids] == _unified_tokens(PROMPT[5:])
+    assert (stats.admitted, stats.recomputed) == (admitted, recomputed + 1)
+    assert pre.engine.connector.num_staged() == staged                # still tenant a's
+    assert pre.abort("t1").result(timeout=10) is not None               # a's abort releases it
+    assert pre.engine.connector.num_staged() == staged - 1
