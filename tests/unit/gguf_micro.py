@@ -100,7 +100,8 @@ def field_map(path: pathlib.Path) -> tuple[list[tuple[int, int, str]], int]:
         if f.types[0] == GGUFValueType.ARRAY:
             out += [(*where(parts[3]), f"{key} item type"), (*where(parts[4]), f"{key} array length")]
             if f.types[-1] == GGUFValueType.STRING:                     # item lengths: first, second, last
-                out += [(*where(parts[i]), f"{key} item length") for i in (5, 7, len(parts) - 2)]
+                out += [(*where(parts[i]), f"{key} item {n} length")
+                        for n, i in (("0", 5), ("1", 7), ("last", len(parts) - 2))]
         elif f.types[0] == GGUFValueType.STRING:
             out.append((*where(parts[3]), f"{key} string length"))
         else:
