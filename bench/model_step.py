@@ -1,8 +1,8 @@
 """Forward-speed check of the model runner: prefill, then timed decode steps of a full batch.
 
-    python -m backend.model.bench MODEL_DIR [--batch 64] [--context 128] [--steps 10] [--dtype bfloat16]
-    python -m backend.model.bench MODEL_DIR --batch 1 --threads 1 --ab-fused
-    python -m backend.model.bench MODEL_DIR --batch 8 --context 288 --threads 1 --kv-cache-dtype fp16
+    python -m bench.model_step MODEL_DIR [--batch 64] [--context 128] [--steps 10] [--dtype bfloat16]
+    python -m bench.model_step MODEL_DIR --batch 1 --threads 1 --ab-fused
+    python -m bench.model_step MODEL_DIR --batch 8 --context 288 --threads 1 --kv-cache-dtype fp16
 
 Prints one JSON line: prefill and decode tokens/s and ms per decode step (wall clock, best step
 and mean), and the process CPU time of the best step (robust when other work shares the cores).

@@ -1,7 +1,7 @@
 """Autoscaling under a load step: 1 client → 16 clients → 1 client against the Ray Serve app with
 autoscaling between 1 and 2 TritonReplica replicas (docs/benchmarks.md, "Scale-out: autoscaling").
 
-    python -m backend.scale.bench_autoscale --model build/models/tiny \\
+    python -m bench.scale_autoscale --model build/models/tiny \\
         --out docs/img/scale_autoscale.json --plot docs/img/scale_autoscale.png
 
 Each client loops on chat completions (greedy, ``--max-tokens`` tokens, ignore_eos, distinct
@@ -130,7 +130,7 @@ def run(a) -> dict:
         high_end = next(i for i, p in enumerate(timeline) if p["t"] >= a.low_s + a.high_s) \
             if timeline[-1]["t"] >= a.low_s + a.high_s else len(timeline)
         up = next((p["t"] for p in timeline if p["running"] >= 2), None)
-        result = {"command": "python -m backend.scale.bench_autoscale " + " ".join(a.argv),
+        result = {"command": "python -m bench.scale_autoscale " + " ".join(a.argv),
                   "config": {"target_ongoing_requests": a.target, "upscale_delay_s": a.upscale_delay,
                              "downscale_delay_s": a.downscale_delay, "look_back_period_s": a.look_back,
                              "max_tokens": a.max_tokens, "phases": phases},

@@ -1,8 +1,8 @@
 """Hand-over cost, in process: per-request hand-over time and bytes moved, plus TTFT and total
 time against a unified engine on the same prompts (greedy outputs compared token for token).
 
-    .venv/bin/python -m backend.disagg.bench --preset tiny --connector shm
-    .venv/bin/python -m backend.disagg.bench --preset bench-15m --connector tcp
+    .venv/bin/python -m bench.disagg --preset tiny --connector shm
+    .venv/bin/python -m bench.disagg --preset bench-15m --connector tcp
 
 Both engines share this process and its threads, so this measures the hand-over's own cost,
 not the ITL benefit of separating the roles (that needs two processes on separate cores).

@@ -1,7 +1,7 @@
 """Prefix-hit rate of multi-turn chat through the Ray Serve app: the prefix-aware router against
 Ray's default power-of-two-choices router, in one run (docs/scale_out.md has the numbers).
 
-    python -m backend.scale.bench --model build/models/tiny --conversations 12 --turns 4
+    python -m bench.scale --model build/models/tiny --conversations 12 --turns 4
 
 Each router gets a fresh application (cold caches) on the same local Ray instance; the workload is
 ``conversations`` chats of ``turns`` user turns, interleaved round-robin, greedy. A follow-up (turn

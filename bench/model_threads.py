@@ -3,7 +3,7 @@ step's worker pool, 2 threads on OpenMP regions (``step_pool_set``), alternating
 and with a busy core imitated (a second process burning ``--burn-ms`` of every ``2 * burn-ms``,
 like the serving stack's bursts). Run with ``OMP_WAIT_POLICY=PASSIVE`` for the stub's OpenMP setting.
 
-    OMP_WAIT_POLICY=PASSIVE python -m backend.model.bench_threads build/models/bench-15m build/models/bench-110m
+    OMP_WAIT_POLICY=PASSIVE python -m bench.model_threads build/models/bench-15m build/models/bench-110m
 """
 from __future__ import annotations
 

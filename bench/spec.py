@@ -1,6 +1,6 @@
 """Speculative decoding, side by side in one run: tokens/s with it off and on, same prompts.
 
-    python -m backend.spec.bench --model models/default [--draft DIR] [--k 4] [--max-tokens 128]
+    python -m bench.spec --model models/default [--draft DIR] [--k 4] [--max-tokens 128]
 
 Workloads (chat template applied when the tokenizer has one):
   grounded  "repeat / edit / summarize this passage" prompts, 1 stream (prompt lookup's case)

@@ -1,7 +1,7 @@
 """Per-step cost of grammar masking, in process: the same decode workload with and without a JSON
 schema, at 1 and 16 streams, side by side.
 
-    python -m backend.structured.bench --model models/default --steps 48
+    python -m bench.structured --model models/default --steps 48
 
 Every request runs exactly ``--steps`` decode steps (``ignore_eos``; the schema asks for at
 least 200 objects, so the grammar never ends first). Reported per configuration: decode
