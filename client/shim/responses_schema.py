@@ -8,7 +8,7 @@ file input) are a 400 naming the field, never silently dropped. Accepted and wit
 ``metadata``, ``user``, ``safety_identifier``, ``prompt_cache_key``, ``service_tier``,
 ``truncation``, ``include``, ``reasoning`` (the model decides how much it thinks), ``max_tool_calls``,
 ``stream_options``. vLLM-style extras: ``top_k``, ``min_p``, ``seed``, penalties, ``priority``,
-``include_reasoning``.
+``include_reasoning``, ``guided_regex``.
 """
 from __future__ import annotations
 
@@ -62,6 +62,7 @@ class ResponsesRequest(BaseModel):
     repetition_penalty: Finite | None = None
     priority: int | None = Field(None, ge=L.PRIORITY_MIN, le=L.PRIORITY_MAX)
     include_reasoning: bool = True
+    guided_regex: str | None = None
     # refused with a 400 naming them when given (check_supported)
     conversation: Any = None
     prompt: Any = None
@@ -203,7 +204,7 @@ def to_chat(body: ResponsesRequest, history: list[dict]) -> tuple[ChatCompletion
                             "parallel_tool_calls": body.parallel_tool_calls,
                             "response_format": chat_response_format(body.text)}
     for name in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
-                 "frequency_penalty", "repetition_penalty", "priority"):
+                 "frequency_penalty", "repetition_penalty", "priority", "guided_regex"):
         chat[name] = getattr(body, name)
     try:
         return ChatCompletionRequest(**{k: v for k, v in chat.items() if v is not None}), conversation
