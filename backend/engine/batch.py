@@ -29,6 +29,7 @@ from backend.model.runner import BatchInput
 
 def build_batch(scheduled: list[tuple[Sequence, int]], kv, device: str | torch.device = "cpu") -> BatchInput:
     chunks: list[SeqChunk] = []
+    pooled = False                          # an embedding request's chunk in the step
     for seq, num_new in scheduled:
         start = seq.num_computed_tokens
         end = start + num_new
@@ -37,10 +38,12 @@ def build_batch(scheduled: list[tuple[Sequence, int]], kv, device: str | torch.d
             chunks.append(SeqChunk(seq.token_ids[start:] + seq.spec_token_ids, start,
                                    kv.block_table(seq.seq_id), all_logits=True))
             continue
+        embed = seq.request.pooling is not None
+        pooled |= embed
         chunks.append(SeqChunk(seq.token_ids[start:end], start, kv.block_table(seq.seq_id),
-                               logits=end == seq.num_tokens and seq.request.pooling is None))
+                               logits=end == seq.num_tokens and not embed))
     batch = build_chunks(chunks, kv.block_size, device)
-    rows = hidden_rows(scheduled)           # embedding requests' rows (backend/engine/embedding.py)
-    if rows is not None:
+    rows = hidden_rows(scheduled) if pooled else None    # backend/engine/embedding.py
+    if rows:                # (a last-token request's earlier chunks need none: any step path)
         batch.hidden_indices = torch.tensor(rows, dtype=torch.int64, device=device)
     return batch

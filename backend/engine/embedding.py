@@ -75,20 +75,19 @@ def prefix_tokens(seq: Sequence) -> list[int]:
     return seq.token_ids if pooling is None or pooling.pooling_type == "last" else seq.token_ids[:1]
 
 
-def hidden_rows(scheduled: list[tuple[Sequence, int]]) -> list[int] | None:
-    """The step's rows whose hidden states the embedding requests need (None: no embedding chunk)."""
+def hidden_rows(scheduled: list[tuple[Sequence, int]]) -> list[int]:
+    """The step's rows whose hidden states the embedding requests need."""
     rows: list[int] = []
-    row0, found = 0, False
+    row0 = 0
     for seq, num_new in scheduled:
         pooling = seq.request.pooling
         if pooling is not None:
-            found = True
             if pooling.pooling_type == "mean":
                 rows.extend(range(row0, row0 + num_new))
             elif seq.num_computed_tokens + num_new == seq.num_tokens:
                 rows.append(row0 + num_new - 1)
         row0 += num_new
-    return rows if found else None
+    return rows
 
 
 def absorb(scheduled: list[tuple[Sequence, int]], hidden: torch.Tensor) -> list[Sequence]:
