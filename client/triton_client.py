@@ -29,7 +29,7 @@ from typing import Any, AsyncIterator
 import numpy as np
 
 from backend import protocol as P
-from backend.serving import ttft_trace
+from backend import timing
 from client.errors import (AbortedError, InternalError, InvalidRequestError, QueueFullError,
                            TritonLLMError, UnavailableError, error_from_grpc, error_from_message)
 
@@ -336,8 +336,8 @@ class TritonLLMClient:
             req = {"model_name": model, "inputs": inputs, "request_id": rid, "parameters": parameters}
             if outputs:
                 req["outputs"] = outputs
-            if ttft_trace.ENABLED:
-                ttft_trace.mark(rid, "shim.grpc")
+            if timing.hook is not None:
+                timing.mark(rid, "shim.grpc")
             yield req
             await closed.wait()
 
@@ -365,8 +365,8 @@ class TritonLLMClient:
                     admitted = not isinstance(err, (InvalidRequestError, QueueFullError))
                     raise err
                 chunk = parse_response(result)
-                if ttft_trace.ENABLED:
-                    ttft_trace.mark(rid, "shim.grpc0")
+                if timing.hook is not None:
+                    timing.mark(rid, "shim.grpc0")
                 if chunk.finish_reason == "abort":
                     finished.add(chunk.index)
                     raise AbortedError(f"the server aborted request {rid}")

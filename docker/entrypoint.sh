@@ -51,6 +51,8 @@ elif [ "${SHIM_PORT:-0}" != "0" ] && [ -z "${TRITON_LLM_API_KEYS:-}" ] \
   echo "[entrypoint] SHIM_PORT is set but no API keys are: set API_KEYS_FILE or TRITON_LLM_API_KEYS" \
        "(KEY[:TENANT],...), or INSECURE_NO_API_KEYS=1 to serve without authentication" >&2
   exit 2
+elif [ "${INSECURE_NO_API_KEYS:-0}" = "1" ]; then
+  export TRITON_LLM_INSECURE_NO_API_KEYS=1   # the shim refuses an open non-loopback host otherwise
 fi
 echo "[entrypoint] triton-llm ${args[*]}"
 exec triton-llm "${args[@]}"

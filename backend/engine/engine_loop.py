@@ -32,7 +32,7 @@ from backend.errors import EngineError, internal, queue_full, unavailable
 from backend.outputs import STOP, StepDelta
 from backend.pooling_params import PoolingParams
 from backend.sampling_params import SamplingParams
-from backend.serving import ttft_trace
+from backend import timing
 
 log = logging.getLogger(__name__)
 Sink = Callable[[StepDelta], Any] | queue.Queue
@@ -208,13 +208,13 @@ class EngineLoop:
                     self._dispatch(engine.step() if engine.has_unfinished() else [])
                     return
                 if engine.has_unfinished():
-                    t0 = time.monotonic() if ttft_trace.ENABLED else 0.0
+                    t0 = time.monotonic() if timing.hook is not None else 0.0
                     deltas = engine.step()
-                    if ttft_trace.ENABLED:
+                    if timing.hook is not None:
                         for d in deltas:
                             if d.new_token_ids:
-                                ttft_trace.mark(d.request_id, "loop.step0", t0)
-                                ttft_trace.mark(d.request_id, "loop.tok0")
+                                timing.mark(d.request_id, "loop.step0", t0)
+                                timing.mark(d.request_id, "loop.tok0")
                     self._publish()            # before the sinks, which may take their time
                     self._dispatch(deltas)
                     if any(d.new_token_ids and d.completion_tokens == len(d.new_token_ids) for d in deltas):
@@ -262,7 +262,7 @@ class EngineLoop:
                 return True
 
     def _add(self, cmd: AddRequest) -> None:
-        ttft_trace.mark(cmd.request_id, "loop.add")
+        timing.mark(cmd.request_id, "loop.add")
         try:
             self.engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.params, stream=cmd.stream,
                                     salt=cmd.salt, priority=cmd.priority, deadline=cmd.deadline, pooling=cmd.pooling)

@@ -26,7 +26,7 @@ from backend.serving.postprocess import skip_special_tokens
 from backend.serving.request_params import cache_salt, fit_context, parse_parameters, request_settings
 from backend.serving.response_thread import ResponseThread
 from backend.serving.tombstones import AbortTombstones
-from backend.serving import ttft_trace
+from backend import timing
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class Intake:
         self.loop.submit(h.rid, inc.input_ids, settings.sampling, sink=lambda d: post(DeltaArrived(h, d)),
                          stream=settings.stream, salt=cache_salt(settings, self.allow_client_salt),
                          priority=settings.priority, deadline=deadline, tenant=settings.tenant, **extra)
-        ttft_trace.mark(h.rid, "eng.submit")
+        timing.mark(h.rid, "eng.submit")
 
     def _control(self, target: str, responder: Any, now: float, tenant: str) -> None:
         """An abort stops only a request of the caller's own tenant (the ``tenant`` parameter)."""

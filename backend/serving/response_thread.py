@@ -39,7 +39,7 @@ from backend.serving.messages import (STOP, ControlAnswered, DeltaArrived, Held,
                                       Rejected, RequestHandle)
 from backend.serving.responses import control_outputs, engine_outputs, wants_text
 from backend.serving.tombstones import AbortTombstones
-from backend.serving import ttft_trace
+from backend import timing
 
 log = logging.getLogger(__name__)
 
@@ -52,15 +52,15 @@ SEND_TIMES: "collections.deque | None" = None
 
 
 def _send_one(h: RequestHandle, outputs: dict | None, error: EngineError | None, final: bool) -> None:
-    if ttft_trace.ENABLED:
-        ttft_trace.mark(h.rid, "rt.send0")
+    if timing.hook is not None:
+        timing.mark(h.rid, "rt.send0")
     times = SEND_TIMES
     t0 = time.monotonic() if times is not None else 0.0
     h.responder.send(outputs, error=error, final=final)
     if times is not None:
         times.append((t0, time.monotonic() - t0))
-    if ttft_trace.ENABLED:
-        ttft_trace.mark(h.rid, "rt.sent0")
+    if timing.hook is not None:
+        timing.mark(h.rid, "rt.sent0")
 
 
 class ResponseThread:

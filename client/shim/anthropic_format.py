@@ -16,10 +16,10 @@ started ends it with an ``error`` event.
 """
 from __future__ import annotations
 
-import json
 import uuid
 
 from client.shim.format import dumps
+from client.shim.tools import loads_model_json
 from client.shim.turn import TurnTally
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -38,9 +38,9 @@ def _tool_id(call_id: str) -> str:
 
 def _input(arguments: str) -> dict:
     try:
-        value = json.loads(arguments) if arguments.strip() else {}
+        value = loads_model_json(arguments) if arguments.strip() else {}
     except ValueError:
-        return {"_raw": arguments}              # not JSON (an unconstrained model): kept, not lost
+        return {"_raw": arguments}              # not JSON, or too deep (an unconstrained model): kept
     return value if isinstance(value, dict) else {"value": value}
 
 

@@ -20,7 +20,7 @@ from fastapi import FastAPI
 from client.errors import TritonLLMError
 from client.shim.anthropic import AnthropicErrors
 from client.shim.anthropic import router as anthropic_router
-from client.shim.auth import KeyStore
+from client.shim.auth import KeyFirst, KeyStore
 from client.shim.embeddings import router as embeddings_router
 from client.shim.errors import from_llm_error, install_handlers
 from client.shim.format import Tally
@@ -87,8 +87,9 @@ def create_app(settings: ShimSettings | None = None, *, client=None) -> FastAPI:
 
     app.state.complete = complete
     install_handlers(app)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes,   # 413 before parsing or auth
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes,   # 413 before parsing
                        timeout=settings.body_timeout_s)
+    app.add_middleware(KeyFirst, keys=keys)            # 401 before the body is read (outside BodyLimit)
     app.include_router(router)
     app.include_router(embeddings_router)             # /v1/embeddings
     app.state.response_store = ResponseStore(settings.response_store_items, settings.response_store_bytes)

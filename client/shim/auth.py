@@ -1,6 +1,7 @@
 """Bearer API keys, compared in constant time; every key has a policy (client/shim/tenants.py):
 its tenant (the prefix-cache salt and the engine's fairness unit), priority ceiling and
-concurrency limit."""
+concurrency limit. ``KeyFirst`` refuses a request body from a caller without a valid key before
+a byte of it is read."""
 from __future__ import annotations
 
 import hmac
@@ -8,9 +9,10 @@ import hmac
 from fastapi import Request
 
 from client.shim.errors import unauthorized
+from client.shim.limits import send_error
 from client.shim.tenants import OPEN, OPEN_TENANT, KeyPolicy, as_policy
 
-__all__ = ["KeyStore", "OPEN_TENANT"]
+__all__ = ["KeyFirst", "KeyStore", "OPEN_TENANT"]
 
 
 class KeyStore:
@@ -50,3 +52,39 @@ class KeyStore:
     def authenticate(self, request: Request) -> str:
         """The request's tenant; raises the 401 OpenAIError."""
         return self.identify(request).tenant
+
+    def admits(self, headers) -> bool:
+        """Whether raw ASGI ``headers`` carry a valid key: ``Authorization: Bearer KEY`` or, as
+        Anthropic's clients send it, ``x-api-key: KEY``. The routes still decide which they take."""
+        if self.open:
+            return True
+        for name, value in headers:
+            if name == b"authorization":
+                scheme, _, token = value.decode("latin-1").partition(" ")
+                if scheme.lower() == "bearer" and token.strip() and self.policy_of(token.strip()):
+                    return True
+            elif name == b"x-api-key":
+                token = value.decode("latin-1").strip()
+                if token and self.policy_of(token):
+                    return True
+        return False
+
+
+class KeyFirst:
+    """ASGI middleware, outside the body limit: a request that may carry a body (anything but GET,
+    HEAD, OPTIONS) without a valid key gets its 401 before the body is read or parsed, so an
+    anonymous caller costs no buffering, no JSON parse and no model work. GETs reach their routes,
+    which authenticate as before (the chat page's HTML and /health need no key)."""
+
+    def __init__(self, app, keys: KeyStore) -> None:
+        self.app, self.keys = app, keys
+
+    async def __call__(self, scope, receive, send) -> None:
+        if (scope["type"] != "http" or scope.get("method") in ("GET", "HEAD", "OPTIONS")
+                or self.keys.admits(scope.get("headers", ()))):
+            await self.app(scope, receive, send)
+            return
+        err = unauthorized("Incorrect or missing API key. Send it as 'Authorization: Bearer KEY' "
+                           "(or 'x-api-key: KEY').")
+        err.headers = {**err.headers, "Connection": "close"}     # the unread body dies with it
+        await send_error(send, err)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from fastapi import Request
 
-from backend.serving import ttft_trace
+from backend import timing
 from client.shim.routes import _check_prompt, _params, _respond, _state
 from client.shim.schemas import ChatCompletionRequest
 from client.shim.tenants import KeyPolicy
@@ -19,7 +19,7 @@ async def respond_chat(request: Request, key: KeyPolicy, chat: ChatCompletionReq
                        param_names: dict[str, str], prompt_param: str):
     """Generate ``chat`` and answer with ``tally``'s shape (a whole body, or its SSE stream)."""
     await _check_prompt(request, chat.prompt_chars(), prompt_param)
-    ttft_trace.mark(tally.id, "shim.recv")
+    timing.mark(tally.id, "shim.recv")
     params = _params(request, chat, key)
     slot = _state(request).in_flight.acquire(key)
     agens = [_state(request).client.generate(messages=chat.messages_json(), request_id=tally.id,

@@ -1,7 +1,8 @@
 """Bounds on what one request may make the shim do, checked before the work they bound.
 
     BodyLimit (ASGI middleware)   the request body: Content-Length checked before reading, the bytes
-                                  counted while reading; 413 before JSON parsing, auth or routing;
+                                  counted while reading; 413 before JSON parsing or routing (a
+                                  keyless caller had its 401 before: auth.py KeyFirst);
                                   408 when it trickles in for longer than the body timeout;
                                   a lone surrogate escape (not encodable text) is a 400 there too
     schemas.py (pydantic Fields)  n, the prompt list, integers (int64 and each one's range), stop
@@ -59,7 +60,7 @@ class BodyLimit:
             return
         declared = _content_length(scope)
         if declared is not None and declared > self.max_bytes:
-            await _send_error(send, too_large(self.max_bytes))
+            await send_error(send, too_large(self.max_bytes))
             return
         chunks: list[bytes] = []
         try:            # asyncio's timer, not anyio's cancel scope: a fraction of its cost per request
@@ -73,10 +74,10 @@ class BodyLimit:
             err = too_large(self.max_bytes) if outcome == "large" else OpenAIError(
                 408, f"The request body did not arrive within {self.timeout:g} s.",
                 "invalid_request_error", None, "request_timeout", {"Connection": "close"})
-            await _send_error(send, err)
+            await send_error(send, err)
             return
         if has_lone_surrogate(b"".join(chunks)):
-            await _send_error(send, invalid("The request body has a lone UTF-16 surrogate escape "
+            await send_error(send, invalid("The request body has a lone UTF-16 surrogate escape "
                                             "(\\uD800-\\uDFFF without its pair): not valid Unicode."))
             return
         replayed = False
@@ -144,7 +145,7 @@ def _content_length(scope) -> int | None:
     return None
 
 
-async def _send_error(send, err: OpenAIError) -> None:
+async def send_error(send, err: OpenAIError) -> None:
     body = json.dumps(err.body()).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode(), v.encode()) for k, v in err.headers.items()]

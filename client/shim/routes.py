@@ -12,7 +12,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from backend import protocol as P
-from backend.serving import ttft_trace
+from backend import timing
 from client.errors import InternalError, TritonLLMError, UnavailableError
 from client.shim.errors import from_llm_error, model_not_found, not_ready
 from client.shim.format import Tally
@@ -76,7 +76,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
     _check_model(request, body.model)
     await _check_prompt(request, body.prompt_chars(), "messages")
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    ttft_trace.mark(rid, "shim.recv")
+    timing.mark(rid, "shim.recv")
     params = _params(request, body, key)
     slot = _state(request).in_flight.acquire(key)
     client = _state(request).client
@@ -96,7 +96,7 @@ async def completions(body: CompletionRequest, request: Request, key: KeyPolicy 
     _check_model(request, body.model)
     await _check_prompt(request, body.prompt_chars(), "prompt")
     rid = f"cmpl-{uuid.uuid4().hex}"
-    ttft_trace.mark(rid, "shim.recv")
+    timing.mark(rid, "shim.recv")
     params = _params(request, body, key)
     slot = _state(request).in_flight.acquire(key)
     client = _state(request).client

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import os
 import pathlib
 from dataclasses import dataclass, field
@@ -101,7 +102,18 @@ def parse_key_lines(lines) -> dict[str, KeyPolicy]:
 
 
 class MissingAPIKeys(ValueError):
-    """``require_api_keys`` and no key configured (the shim refuses to start)."""
+    """No key configured where keys are needed: ``require_api_keys``, or a ``host`` beyond loopback
+    (the shim refuses to start)."""
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` keeps the port on this machine ("localhost", 127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False                                # a name, "", "0.0.0.0": reachable from outside
 
 
 def load_keys(settings: ShimSettings) -> dict[str, KeyPolicy]:
@@ -114,10 +126,11 @@ def load_keys(settings: ShimSettings) -> dict[str, KeyPolicy]:
     if env.strip():
         keys.update(parse_key_lines(env.split(",")))
     insecure = settings.insecure_no_api_keys or os.environ.get(INSECURE_ENV, "").strip() == "1"
-    if not keys and settings.require_api_keys and not insecure:
-        raise MissingAPIKeys(f"no API keys configured: give --api-keys FILE or {KEYS_ENV}=KEY[:TENANT],... "
-                             f"(or, to serve without authentication, --insecure-no-api-keys / "
-                             f"{INSECURE_ENV}=1)")
+    if not keys and not insecure and (settings.require_api_keys or not is_loopback(settings.host)):
+        why = "" if settings.require_api_keys else f" and --host {settings.host or '(all)'} is not loopback"
+        raise MissingAPIKeys(f"no API keys configured{why}: give --api-keys FILE or {KEYS_ENV}=KEY[:TENANT],... "
+                             f"(or, to serve without authentication to anyone who reaches the port, "
+                             f"--insecure-no-api-keys / {INSECURE_ENV}=1)")
     return keys
 
 

@@ -12,7 +12,8 @@ tool-call deltas always reassemble to the non-streamed result. Per block::
 
 Text outside blocks is message content (``auto``); whitespace only around blocks is dropped. A
 block whose header is not ``{"name": ..., "arguments": ...}`` is parsed once it closes; one that
-is not JSON at all stays content. A choice with calls that ended with "stop" ends with
+is not JSON at all, or nests deeper than ``MAX_JSON_DEPTH``, stays content (arguments that deep
+stay their raw text): the model's output never becomes a RecursionError and a 500. A choice with calls that ended with "stop" ends with
 "tool_calls".
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ from backend import protocol as P
 from backend.structured.tool_spec import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from client.shim.format import Tally
 
+MAX_JSON_DEPTH = 128        # nesting parsed from model output; deeper stays text (json recurses)
 _HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:')
 
 
@@ -55,6 +57,35 @@ def structured_params(body) -> dict[str, Any]:
 
 def parses_tool_calls(body) -> bool:
     return bool(getattr(body, "tools", None)) and body.tool_choice != "none"
+
+
+def json_depth(text: str) -> int:
+    """The deepest ``{``/``[`` nesting of ``text`` outside JSON strings (no parsing, no recursion)."""
+    depth = deepest = 0
+    in_str = esc = False
+    for ch in text:
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "{[":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "}]":
+            depth -= 1
+    return deepest
+
+
+def loads_model_json(text: str):
+    """json.loads for model output; ValueError for nesting past MAX_JSON_DEPTH too."""
+    if json_depth(text) > MAX_JSON_DEPTH:
+        raise ValueError("nested too deep")
+    return json.loads(text)
 
 
 def _call_id() -> str:
@@ -190,7 +221,7 @@ class ToolCallParser:
         raw = raw.rstrip()
         raw = raw[:-1].rstrip() if raw.endswith("}") else raw     # the call object's own brace
         try:
-            value = json.loads(raw)
+            value = loads_model_json(raw)
             text = value if isinstance(value, str) else json.dumps(value)
         except ValueError:
             text = raw
@@ -206,7 +237,7 @@ class ToolCallParser:
     def _close_block(self, block: str, content: list, deltas: list, closed: bool) -> None:
         """A block without the usual header (or unterminated): parse it as a whole."""
         try:
-            obj = json.loads(block)
+            obj = loads_model_json(block)
             name = obj["name"]
             args = obj.get("arguments", obj.get("parameters", {}))
             if not isinstance(name, str):

@@ -1,4 +1,4 @@
-"""Bounded inputs: body size (413 before parsing or auth), n, prompt lists, prompt characters,
+"""Bounded inputs: body size (413 before parsing; a keyless body is a 401 before that), n, prompt lists, prompt characters,
 int64 / range checks and stop strings are 400s from the shim before any generation starts."""
 from __future__ import annotations
 
@@ -39,12 +39,14 @@ def error(r: httpx.Response, status: int) -> dict:
     return body["error"]
 
 
-def test_body_over_the_limit_is_413_before_auth(url, fake):
+def test_body_over_the_limit_is_413_before_parsing(url, fake):
     calls = len(fake.calls)
     big = b'{"model": "tiny", "prompt": "' + b"x" * LIMIT + b'"}'
-    # no key at all: the size check comes first (auth never ran on a body it would not read)
+    # no key at all: refused before its size matters (test_shim_key_first.py: before it is read)
     e = error(httpx.post(url + "/v1/completions", content=big,
-                         headers={"content-type": "application/json"}), 413)
+                         headers={"content-type": "application/json"}), 401)
+    assert e["code"] == "invalid_api_key"
+    e = error(httpx.post(url + "/v1/completions", content=big, headers={**H, "content-type": "application/json"}), 413)
     assert e["code"] == "request_too_large" and str(LIMIT) in e["message"]
     # chunked (no Content-Length): counted while read, refused once past the limit
     def chunks():
@@ -163,6 +165,7 @@ def test_a_trickling_body_is_408(fake):
         with socket.create_connection((srv.host, srv.port)) as s:
             start = time.monotonic()                    # before the server can start its timer
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                      b"Authorization: Bearer " + KEY.encode() + b"\r\n"     # keyless: a 401 at once
                       b"Content-Length: 1000\r\n\r\n{\"model\": ")
             s.settimeout(60)                            # generous: a loaded CI host is slow
             answer = s.recv(65536)

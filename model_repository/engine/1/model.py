@@ -22,7 +22,7 @@ from backend.serving.engine_service import STUB_SWITCH_INTERVAL_S, Incoming, bui
 from backend.serving.errors import to_wire, triton_code
 from backend.serving.stub_exit import exit_stub
 from backend.serving.tensors import config_parameters, require_model_dir
-from backend.serving import ttft_trace
+from backend import timing
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -115,8 +115,8 @@ class TritonPythonModel:
 
     def execute(self, requests):
         for request in requests:
-            if ttft_trace.ENABLED:
-                ttft_trace.mark(request.request_id(), "eng.exec")
+            if timing.hook is not None:
+                timing.mark(request.request_id(), "eng.exec")
             tensor = pb_utils.get_input_tensor_by_name(request, P.INPUT_IDS)
             ids, oversize = None, 0
             if tensor is not None:
