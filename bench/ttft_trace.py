@@ -1,7 +1,8 @@
 """Where a request's first token spends its time: an opt-in trace across the serving processes.
 
-With ``LLM_TTFT_TRACE=<dir>`` in the environment of the server and the shim (the stubs inherit
-tritonserver's), each process records ``(request id, event, time.monotonic())`` at the hops of a
+Attached from outside the product: with ``LLM_TTFT_TRACE=<dir>`` and ``PYTHONPATH=bench/attach`` in
+the environment of the server and the shim (the stubs inherit tritonserver's), Python's
+``sitecustomize`` hook attaches ``record`` to ``backend.timing`` in every process, which records ``(request id, event, time.monotonic())`` at the hops of a
 request's way to its first token -- one clock for every process of the host -- and a daemon
 thread appends them as JSON lines to ``<dir>/<process>-<pid>.jsonl`` about every 0.2 s. Events:
 
@@ -15,8 +16,7 @@ thread appends them as JSON lines to ``<dir>/<process>-<pid>.jsonl`` about every
     shim.sse0        the first SSE write starts
 
 ``report(dir)`` joins them per request id (a shim request's id is the ensemble's) and prints the
-median gap between consecutive events: ``python -m backend.serving.ttft_trace <dir>``.
-Off by default: ``mark`` is then one global test.
+median gap between consecutive events: ``python -m bench.ttft_trace <dir>``.
 """
 from __future__ import annotations
 
@@ -36,13 +36,21 @@ ORDER = ("client.send", "shim.recv", "shim.grpc", "pre.exec", "pre.done", "eng.e
 _buf: collections.deque = collections.deque()
 _started = False
 _lock = threading.Lock()
-ENABLED = bool(os.environ.get(ENV))
+_dir: pathlib.Path | None = None
 
 
-def mark(rid: str, event: str, at: float | None = None) -> None:
-    """Record ``event`` for request ``rid`` now (or at ``at``); nothing unless tracing is on."""
-    if not ENABLED:
-        return
+def attach_from_env() -> None:
+    """Attach ``record`` to the product's hook when ``LLM_TTFT_TRACE`` names a directory."""
+    global _dir
+    if os.environ.get(ENV):
+        from backend import timing
+
+        _dir = pathlib.Path(os.environ[ENV])
+        timing.attach(record)
+
+
+def record(rid: str, event: str, at: float | None = None) -> None:
+    """Record ``event`` for request ``rid`` now (or at ``at``)."""
     _buf.append((rid, event, time.monotonic() if at is None else at))
     if not _started:
         _start()
@@ -55,7 +63,7 @@ def _start() -> None:
             return
         _started = True
     name = pathlib.Path(sys.argv[0] or "python").name or "python"
-    path = pathlib.Path(os.environ[ENV]) / f"{name}-{os.getpid()}.jsonl"
+    path = (_dir or pathlib.Path(os.environ[ENV])) / f"{name}-{os.getpid()}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
 
     def flush() -> None:
