@@ -32,6 +32,7 @@ ENV_DIRS = ("backend", "client", "kernels", "model_repository", "load", "scripts
 METRIC_DIRS = ("backend", "client", "kernels", "model_repository")
 SELF = pathlib.Path(__file__).resolve()
 PROJECT_ENV = re.compile(r"TRITON_LLM_[A-Z0-9_]+")
+ENV_NAME = re.compile(r"[A-Z][A-Z0-9_]*")
 METRIC = re.compile(r"(triton_)?llm_[a-z0-9_]+")
 C_GETENV = re.compile(r'getenv\(\s*"([A-Za-z_][A-Za-z0-9_]*)"\s*\)')
 
@@ -190,8 +191,15 @@ def _is_environ(node) -> bool:
         (isinstance(node, ast.Name) and node.id in ("environ", "env_map"))
 
 
-def env_reads(path: pathlib.Path) -> dict[str, object]:
-    """name -> default (None when not given) of every variable one file reads."""
+def _is_env_helper(fn) -> bool:
+    """A registry-style reader or declaration: a call whose name says env (env_int, EnvVar, ...)."""
+    name = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", "")
+    return "env" in name.lower() and name not in ("getenv",)
+
+
+def env_reads(path: pathlib.Path, docs: dict[str, str] | None = None) -> dict[str, object]:
+    """name -> default (None when not given) of every variable one file reads; a registry's help
+    text (a ``doc``/``help`` keyword of the declaring call) goes into ``docs``."""
     found: dict[str, object] = {}
     if path.suffix != ".py":
         text = path.read_text(errors="replace")
@@ -209,6 +217,14 @@ def env_reads(path: pathlib.Path) -> dict[str, object]:
                     (isinstance(fn, ast.Name) and fn.id == "getenv"):
                 name = _value(node.args[0], consts)
                 default = _value(node.args[1], consts) if len(node.args) > 1 else None
+            elif _is_env_helper(fn) and isinstance(_value(node.args[0], consts), str) and \
+                    ENV_NAME.fullmatch(_value(node.args[0], consts)):
+                name = _value(node.args[0], consts)
+                kw = {k.arg: _value(k.value, consts) for k in node.keywords}
+                default = kw.get("default", _value(node.args[1], consts) if len(node.args) > 1 else None)
+                doc = next((kw[k] for k in ("doc", "help", "meaning", "description") if isinstance(kw.get(k), str)), None)
+                if doc and docs is not None:
+                    docs[name] = doc
         elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and _is_environ(node.value):
             name = _value(node.slice, consts)
         elif isinstance(node, ast.Compare) and any(_is_environ(c) for c in node.comparators):
@@ -223,13 +239,14 @@ def env_reads(path: pathlib.Path) -> dict[str, object]:
 def env_vars() -> list[tuple]:
     """(name, default text, files, meaning), sorted by name."""
     table: dict[str, tuple[object, list[str]]] = {}
+    docs: dict[str, str] = {}
     for path in _source_files(ENV_DIRS, {".py", ".c", ".h", ".cpp", ".cu"}):
-        for name, default in env_reads(path).items():
+        for name, default in env_reads(path, docs).items():
             d, files = table.setdefault(name, (None, []))
             files.append(_rel(path))
             if d is None and default is not None:
                 table[name] = (default, files)
-    return [(n, "–" if d is None else repr(d), files, NOTES.get(n, ""))
+    return [(n, "–" if d is None else repr(d), files, docs.get(n) or NOTES.get(n, ""))
             for n, (d, files) in sorted(table.items())]
 
 

@@ -94,10 +94,13 @@ def test_the_env_scan_sees_each_way_of_reading_and_skips_writes(tmp_path):
         "e = environ.get('E_BARE')\n"
         "f = getenv('F_BARE')\n"
         "os.environ['W_WRITTEN'] = '1'\n"
-        "child = {'TRITON_LLM_FOR_A_CHILD': '1'}\n")
-    reads = gen.env_reads(py)
+        "child = {'TRITON_LLM_FOR_A_CHILD': '1'}\n"
+        "g = env_int('G_REGISTRY', 3, doc='read through a registry')\n")
+    docs: dict[str, str] = {}
+    reads = gen.env_reads(py, docs)
     assert reads == {"A_CONST": 7, "B_SUBSCRIPT": None, "C_GETENV": "x", "D_IN": None, "E_BARE": None,
-                     "F_BARE": None, "TRITON_LLM_FOR_A_CHILD": None}
+                     "F_BARE": None, "TRITON_LLM_FOR_A_CHILD": None, "G_REGISTRY": 3}
+    assert docs == {"G_REGISTRY": "read through a registry"}
     c = tmp_path / "k.c"
     c.write_text('const char *e = getenv("K_FROM_C");\n')
     assert gen.env_reads(c) == {"K_FROM_C": None}
