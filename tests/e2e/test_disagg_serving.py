@@ -223,14 +223,57 @@ def test_bad_handover_is_a_clear_error(triton_server, pair):
                 await _collect(decode.generate_ids([7] * 40, params={"max_tokens": 8, P.HANDOVER: "{\"x\": 1}"}))
             with pytest.raises(InvalidRequestError, match="not role=decode"):
                 await _collect(unified.generate_ids([7] * 40, params={"max_tokens": 8, P.HANDOVER: record}))
+            # forged records: each is that request's 400 (never the engine thread's exception)
+            good = json.loads(record)
+            for over in ({"queue_time": "soon"}, {"generator_state": "AAAA"}, {"first_token": 10 ** 9},
+                         {"num_kv_tokens": 3}, {"salt": "tenant:someone-else"},
+                         {"locator": {**good["locator"], "shape": [10 ** 6, *good["block_shape"]]}}):
+                with pytest.raises(InvalidRequestError, match="bad hand-over record") as err:
+                    await _collect(decode.generate_ids([7] * 40, params={"max_tokens": 8,
+                                                                        P.HANDOVER: json.dumps({**good, **over})}))
+                assert err.value.param == P.HANDOVER
             # the good record still works afterwards: the decode server continues the stream
             out = await _collect(decode.generate_ids([7] * 40, params={"max_tokens": 8, "temperature": 0,
                                                                        P.HANDOVER: record}))
             ref = await _collect(unified.generate_ids([7] * 40, params={"max_tokens": 8, "temperature": 0}))
             assert out[0]["ids"] == ref[0]["ids"] and len(ref[0]["ids"]) == 8
+            assert pair.alive()                         # both servers still serving
         finally:
             for c in (prefill, decode, unified):
                 await c.close()
 
     asyncio.run(main())
     _freed(pair.decode, "decode")
+
+
+def test_a_second_tenant_cannot_take_the_first_tenants_kv(pair):
+    """Tenant beta replays tenant alpha's hand-over record to the decode server: the decode side
+    fetches as beta (the caller's salt), the transfer is refused and stays alpha's, and beta's
+    request is recomputed (same tokens: it had to send the same prompt)."""
+    prompt = [(9 * k) % 3000 + 5 for k in range(60)]
+    params = {"max_tokens": 6, "temperature": 0}
+
+    async def main():
+        prefill = TritonLLMClient(pair.prefill.grpc_url)
+        decode = TritonLLMClient(pair.decode.grpc_url)
+        try:
+            chunks = [c async for c in prefill.generate_ids(prompt, request_id="ten-a",
+                                                            params={**params, P.TENANT: "alpha"})]
+            record = chunks[-1].metrics[P.HANDOVER]
+            before = settled(lambda: scrape(pair.decode))
+            out = await _collect(decode.generate_ids(prompt, request_id="ten-a",
+                                                     params={**params, P.TENANT: "beta", P.HANDOVER: record}))
+            recomputed = metric(before, "llm_disagg_handovers_total", role="decode", outcome="recomputed") + 1
+            wait_metric(pair.decode, lambda s: metric(s, "llm_disagg_handovers_total", role="decode",
+                                                      outcome="recomputed") >= recomputed, timeout=60)
+            wait_metric(pair.prefill, lambda s: metric(s, "llm_disagg_staged_transfers", role="prefill") == 1,
+                        timeout=60)                 # still staged: beta neither read nor released it
+            ref = await _collect(decode.generate_ids(prompt, params={**params, P.TENANT: "beta"}))
+            assert out[0]["ids"] == ref[0]["ids"] and len(out[0]["ids"]) == 6
+            assert await prefill.abort("ten-a", tenant="alpha")
+        finally:
+            await prefill.close()
+            await decode.close()
+
+    asyncio.run(main())
+    _freed(pair.prefill, "prefill")
