@@ -67,7 +67,11 @@ def check_target(out: pathlib.Path) -> list[str]:
 def staging_dir(out: pathlib.Path) -> pathlib.Path:
     """A fresh directory beside ``out`` (same filesystem, so renames are moves, not copies)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    return pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.importing-", dir=out.parent))
+    staged = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.importing-", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    staged.chmod(0o777 & ~umask)          # mkdtemp's 0700 would make the renamed checkpoint private
+    return staged
 
 
 def _write_manifest(directory: pathlib.Path, files: list[str], source: str) -> None:
