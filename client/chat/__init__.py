@@ -7,10 +7,14 @@
 
 The page streams replies from the shim's own ``POST /v1/chat/completions``. What it needs from
 the app: ``app.state.authenticate(request) -> tenant`` and, for the summarize policy,
-``app.state.complete(messages, *, max_tokens, tenant) -> str``, and the context window from
-``client.shim.settings.context_window_of(app)`` (``max_model_len`` if set, else the server's own).
+``app.state.complete(messages, *, max_tokens, tenant[, priority]) -> str``, and the context window
+from ``client.shim.settings.context_window_of(app)`` (``max_model_len`` if set, else the server's
+own). Where the app has the shim's key store (``app.state.keys``) and open-request counter
+(``app.state.in_flight``), a summary's model call holds one of the key's ``max_concurrent`` slots
+(429 when none is free) and runs at the key's priority ceiling, like any generation.
 Settings read (all optional): ``chat_db_path``, ``max_model_len``, ``model_name``, ``model_dir``,
-``chat_keep_turns``.
+``chat_keep_turns``, ``chat_max_conversations`` and ``chat_max_bytes`` (per-tenant quotas,
+client/chat/quota.py).
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from fastapi.staticfiles import StaticFiles
 
 from client.chat.context import ContextBuilder, TokenCounter
 from client.chat.router import build_router, install_error_handlers
+from client.chat.quota import DEFAULT_MAX_BYTES, DEFAULT_MAX_CONVERSATIONS, TenantQuota
 from client.chat.store import ChatStore
 from client.errors import TritonLLMError
 from client.shim.errors import from_llm_error
@@ -41,12 +46,23 @@ def mount_chat(app, settings=None) -> ChatStore:
         log.warning("chat sessions are kept in memory only (set chat_db_path to persist them)")
     else:
         pathlib.Path(db_path).parent.mkdir(parents=True, exist_ok=True)
-    store = ChatStore(str(db_path))
+    quota = TenantQuota(
+        max_conversations=int(getattr(settings, "chat_max_conversations", None) or DEFAULT_MAX_CONVERSATIONS),
+        max_bytes=int(getattr(settings, "chat_max_bytes", None) or DEFAULT_MAX_BYTES))
+    store = ChatStore(str(db_path), quota)
     model_dir = getattr(settings, "model_dir", None)
 
-    async def complete(messages, *, max_tokens, tenant):
+    async def complete(messages, *, max_tokens, tenant, policy=None):
         # Looked up per call: the shim may set app.state.complete after mounting the chat.
-        return await app.state.complete(messages, max_tokens=max_tokens, tenant=tenant)
+        in_flight = getattr(app.state, "in_flight", None)
+        if policy is None or in_flight is None:
+            return await app.state.complete(messages, max_tokens=max_tokens, tenant=tenant)
+        slot = in_flight.acquire(policy)            # the key's max_concurrent: 429 when it is full
+        try:
+            return await app.state.complete(messages, max_tokens=max_tokens, tenant=tenant,
+                                            priority=policy.priority)
+        finally:
+            slot.release()
 
     async def window() -> int:
         """The engine's context window (asked once; a 503 while the server cannot say)."""

@@ -12,21 +12,23 @@ The prompt must fit ``max_model_len - max_tokens`` (room for the reply).
   summary rides in the system message. Summaries are cached per conversation, keyed by the last
   message they cover (a message id fixes the whole path above it), and a new summary folds the
   newer turns into the latest cached one, so each turn costs at most one model call.
+
+Cost: every token count runs in a worker thread (``asyncio.to_thread``), never on the shim's event
+loop, and is linear in the path: each message is tokenized once (its count cached under a digest
+of its text, in a cache bounded by bytes), the kept turns are chosen in one pass from the newest,
+and a summary's transcript is measured as the sum of its lines' counts.
 """
 from __future__ import annotations
 
 import asyncio
-import functools
-import json
-import pathlib
 from dataclasses import asdict, dataclass
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 from client.chat.store import ChatStore, Conversation, Invalid, Message
+from client.chat.tokens import CountCache, TokenCounter  # noqa: F401 (re-exported)
 
-Completer = Callable[..., Awaitable[str]]   # complete(messages, *, max_tokens, tenant) -> str
+Completer = Callable[..., Awaitable[str]]   # complete(messages, *, max_tokens, tenant[, policy]) -> str
 
-PROJECT_TOKENIZER = pathlib.Path(__file__).resolve().parents[2] / "backend" / "assets" / "tokenizer"
 SUMMARY_HEADER = "Summary of the earlier part of this conversation:"
 SUMMARIZE_INSTRUCTIONS = (
     "You write summaries of conversations. Summarize the conversation below in a few sentences, "
@@ -35,58 +37,6 @@ SUMMARIZE_INSTRUCTIONS = (
 
 class ContextTooLong(Invalid):
     """The newest turn alone does not fit the context window (HTTP 400)."""
-
-
-class TokenCounter:
-    """Counts prompt tokens the way the server will: the tokenizer's chat template, then encode.
-
-    Without a tokenizer (none found) it estimates 1 token per 3 UTF-8 bytes plus 4 per message.
-    """
-
-    def __init__(self, tokenizer_dir: str | pathlib.Path | None = None):
-        self.tokenizer = None
-        for candidate in (tokenizer_dir, PROJECT_TOKENIZER):
-            if candidate and (pathlib.Path(candidate) / "tokenizer.json").exists():
-                from transformers import PreTrainedTokenizerFast
-
-                self.tokenizer = PreTrainedTokenizerFast.from_pretrained(str(candidate))
-                break
-        self._message = functools.lru_cache(maxsize=8192)(self._message_tokens)
-        probe = [{"role": "user", "content": "x"}]
-        self._generation_prompt = (self._render_tokens(probe, add_generation_prompt=True)
-                                   - self._render_tokens(probe, add_generation_prompt=False))
-
-    def encode(self, text: str) -> list[int]:
-        if self.tokenizer is None:
-            return list(text.encode())[::3]
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    def tail(self, text: str, max_tokens: int) -> str:
-        """The end of ``text`` that fits in ``max_tokens`` tokens."""
-        if self.tokenizer is None:
-            return text.encode()[-3 * max_tokens:].decode(errors="ignore")
-        ids = self.encode(text)
-        return text if len(ids) <= max_tokens else self.tokenizer.decode(ids[-max_tokens:])
-
-    def _render_tokens(self, messages: list[dict], add_generation_prompt: bool) -> int:
-        if not messages:
-            return self._generation_prompt if add_generation_prompt else 0
-        if self.tokenizer is None:
-            return sum(4 + len(m["content"].encode()) // 3 for m in messages) + (
-                3 if add_generation_prompt else 0)
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
-        return len(self.encode(text))
-
-    def _message_tokens(self, role: str, content: str) -> int:
-        return self._render_tokens([{"role": role, "content": content}], False)
-
-    def count(self, messages: list[dict]) -> int:
-        """Prompt tokens of ``messages`` with the generation prompt (per-message sums, cached)."""
-        return sum(self._message(m["role"], m["content"]) for m in messages) + self._generation_prompt
-
-    def count_exact(self, messages: list[dict]) -> int:
-        return self._render_tokens(messages, True)
 
 
 @dataclass
@@ -138,11 +88,15 @@ def reply_room(max_model_len: int, max_tokens: int | None) -> int:
 
 def choose_kept(system: list[dict], turns: list[list[Message]], keep_turns: int, budget: int,
                 counter: TokenCounter) -> int:
-    """How many of the last turns to keep: at most ``keep_turns``, fewer while over ``budget``."""
-    keep = min(keep_turns, len(turns))
-    while keep > 1 and counter.count(system + _chat(turns[-keep:])) > budget:
-        keep -= 1
-    return keep
+    """How many of the last turns to keep: the most (at most ``keep_turns``, at least 1) whose
+    prompt fits ``budget``, in one pass from the newest turn."""
+    total, keep = counter.count(system), 0
+    for turn in reversed(turns[len(turns) - min(keep_turns, len(turns)):]):
+        total += sum(counter.message(m.role, m.content) for m in turn)
+        if keep and total > budget:
+            break
+        keep += 1
+    return max(keep, 1)
 
 
 class ContextBuilder:
@@ -155,9 +109,12 @@ class ContextBuilder:
         self.max_model_len = max_model_len
         self.complete = complete
         self.summary_tokens = summary_tokens or min(256, max(16, max_model_len // 8))
-        self._locks: dict[str, asyncio.Lock] = {}
+        self._locks: dict[str, asyncio.Lock] = {}     # per conversation while a summary is made
 
-    async def build(self, tenant: str, conv: Conversation, leaf_id: str) -> ContextResult:
+    async def build(self, tenant: str, conv: Conversation, leaf_id: str, *,
+                    policy: Any = None) -> ContextResult:
+        """``policy``: the caller's key policy, which a summary's model call runs under (its
+        ``max_concurrent`` and priority ceiling, like any generation)."""
         path = await asyncio.to_thread(self.store.path, tenant, conv.id, leaf_id)
         if not path or path[-1].role != "user":
             raise Invalid("the context is computed for a user message (the one to answer)",
@@ -166,18 +123,24 @@ class ContextBuilder:
         max_tokens = reply_room(self.max_model_len, conv.max_tokens)
         budget = self.max_model_len - max_tokens
         system = _system(conv.system_prompt, None)
-        keep = choose_kept(system, turns, conv.keep_turns, budget, self.counter)
+        keep = await asyncio.to_thread(choose_kept, system, turns, conv.keep_turns, budget, self.counter)
         summary = None
         if keep < len(turns) and conv.policy == "summarize":
             # The summary must fit too: reserve its size (+ header) before choosing the turns.
-            reserve = self.summary_tokens + len(self.counter.encode(SUMMARY_HEADER)) + 8
-            keep = choose_kept(system, turns, conv.keep_turns, budget - reserve, self.counter)
+            def kept_with_reserve() -> int:
+                reserve = self.summary_tokens + self.counter.text(SUMMARY_HEADER) + 8
+                return choose_kept(system, turns, conv.keep_turns, budget - reserve, self.counter)
+            keep = await asyncio.to_thread(kept_with_reserve)
             lock = self._locks.setdefault(conv.id, asyncio.Lock())
-            async with lock:    # two tabs asking at once make one summary, not two
-                summary = await self._summary(tenant, conv, turns[:-keep])
+            try:
+                async with lock:    # two tabs asking at once make one summary, not two
+                    summary = await self._summary(tenant, conv, turns[:-keep], policy)
+            finally:
+                if not lock.locked() and self._locks.get(conv.id) is lock:
+                    del self._locks[conv.id]
             system = _system(conv.system_prompt, summary)
         messages = system + _chat(turns[-keep:])
-        prompt_tokens = self.counter.count_exact(messages)
+        prompt_tokens = await asyncio.to_thread(self.counter.count_exact, messages)
         if prompt_tokens > budget:
             raise ContextTooLong(
                 f"the message does not fit the model's context: the prompt is {prompt_tokens} tokens "
@@ -191,25 +154,25 @@ class ContextBuilder:
                              summary=summary, kept_turns=keep, prompt_tokens=prompt_tokens,
                              max_tokens=max_tokens, max_model_len=self.max_model_len)
 
-    async def _summary(self, tenant: str, conv: Conversation, older: list[list[Message]]) -> str:
+    async def _summary(self, tenant: str, conv: Conversation, older: list[list[Message]],
+                       policy: Any = None) -> str:
         """The summary of ``older`` turns: the cached one, or the latest cached one extended."""
         if self.complete is None:
             raise Invalid("the summarize policy needs a model to summarize with", "policy")
+        cached = await asyncio.to_thread(self.store.summaries, tenant, conv.id)
         start, summary = 0, None
         for i in range(len(older), 0, -1):           # newest cached summary of a prefix
-            cached = await asyncio.to_thread(self.store.get_summary, tenant, conv.id, older[i - 1][-1].id)
-            if cached is not None:
-                start, summary = i, cached[0]
+            hit = cached.get(older[i - 1][-1].id)
+            if hit is not None:
+                start, summary = i, hit[0]
                 break
         # Fold the remaining turns in, as many per call as fit the model's context.
         room = self.max_model_len - self.summary_tokens - 64
+        extra = {"policy": policy} if policy is not None else {}
         i = start
         while i < len(older):
-            j = i + 1
-            while j < len(older) and self._summary_prompt_tokens(summary, older[i:j + 1]) <= room:
-                j += 1
-            prompt = self._summary_prompt(summary, older[i:j], room)
-            text = await self.complete(prompt, max_tokens=self.summary_tokens, tenant=tenant)
+            j, prompt = await asyncio.to_thread(self._next_fold, summary, older, i, room)
+            text = await self.complete(prompt, max_tokens=self.summary_tokens, tenant=tenant, **extra)
             summary = (text or "").strip() or "(empty summary)"
             await asyncio.to_thread(self.store.put_summary, tenant, conv.id, older[j - 1][-1].id,
                                     summary, j)
@@ -217,25 +180,35 @@ class ContextBuilder:
         assert summary is not None
         return summary
 
+    def _next_fold(self, previous: str | None, older: list[list[Message]], i: int,
+                   room: int) -> tuple[int, list[dict]]:
+        """(end, prompt) of the next summary call: turns ``older[i:end]``, as many as fit
+        ``room``, measured as the sum of the transcript's line counts (one pass)."""
+        c = self.counter
+        total = (c.count([{"role": "system", "content": SUMMARIZE_INSTRUCTIONS},
+                          {"role": "user", "content": ""}])
+                 + (c.text(f"Summary so far:\n{previous}\n") if previous else 0) + c.text("Conversation:"))
+        j = i
+        while j < len(older):
+            total += sum(c.text(_line(m)) + 1 for m in older[j])      # + 1: the newline
+            if j > i and total > room:
+                break
+            j += 1
+        text = self._transcript(previous, older[i:j])
+        if j == i + 1 and total > room:                  # one turn longer than the window
+            overhead = c.count([{"role": "system", "content": SUMMARIZE_INSTRUCTIONS},
+                                {"role": "user", "content": ""}])
+            text = c.tail(text, max(16, room - overhead - 8))
+        return j, [{"role": "system", "content": SUMMARIZE_INSTRUCTIONS},
+                   {"role": "user", "content": text}]
+
     @staticmethod
     def _transcript(previous: str | None, turns: list[list[Message]]) -> str:
         lines = [f"Summary so far:\n{previous}\n"] if previous else []
         lines.append("Conversation:")
-        for turn in turns:
-            for m in turn:
-                lines.append(f"{m.role.capitalize()}: {m.content}")
+        lines += [_line(m) for turn in turns for m in turn]
         return "\n".join(lines)
 
-    def _summary_prompt_tokens(self, previous: str | None, turns: list[list[Message]]) -> int:
-        return self.counter.count([{"role": "system", "content": SUMMARIZE_INSTRUCTIONS},
-                                   {"role": "user", "content": self._transcript(previous, turns)}])
 
-    def _summary_prompt(self, previous: str | None, turns: list[list[Message]],
-                        room: int) -> list[dict]:
-        text = self._transcript(previous, turns)
-        overhead = self.counter.count([{"role": "system", "content": SUMMARIZE_INSTRUCTIONS},
-                                       {"role": "user", "content": ""}])
-        if self._summary_prompt_tokens(previous, turns) > room:    # one turn longer than the window
-            text = self.counter.tail(text, max(16, room - overhead - 8))
-        return [{"role": "system", "content": SUMMARIZE_INSTRUCTIONS},
-                {"role": "user", "content": text}]
+def _line(m: Message) -> str:
+    return f"{m.role.capitalize()}: {m.content}"

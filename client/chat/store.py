@@ -11,16 +11,21 @@ conversation is indistinguishable from a missing one (:class:`NotFound`, HTTP 40
 Foreign keys are ON; deleting a conversation cascades to its messages and cached summaries.
 The composite key (conversation_id, parent_id) -> messages(conversation_id, id) makes "the parent
 lives in the same conversation" a database invariant, not only an application check.
+Per-tenant quotas (conversations, bytes) are quota.py's; the database file (and its WAL / shm
+files) is created with mode 0600: conversations are private to the server's user.
 """
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import sqlite3
 import threading
 import time
-from dataclasses import asdict, dataclass, field
 
+from client.chat import quota as quotas
+from client.chat.records import Conversation, Message
+from client.chat.quota import QuotaExceeded, TenantQuota  # noqa: F401 (re-exported)
 from client.chat.validation import (ALLOWED_PARAMS, POLICIES, Invalid, NotFound,  # noqa: F401 (re-exported)
                                     validate_message, validate_settings)
 
@@ -67,41 +72,6 @@ CREATE TABLE IF NOT EXISTS summaries (
 """
 
 
-@dataclass
-class Conversation:
-    id: str
-    title: str
-    created_at: float
-    updated_at: float
-    current_leaf_id: str | None
-    system_prompt: str
-    policy: str
-    keep_turns: int
-    max_tokens: int | None
-    params: dict = field(default_factory=dict)
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-
-@dataclass
-class Message:
-    id: str
-    conversation_id: str
-    parent_id: str | None
-    role: str
-    content: str
-    created_at: float
-    finish_reason: str | None = None
-    stopped: bool = False
-    stats: dict | None = None
-    context: dict | None = None
-    children: list[str] = field(default_factory=list)
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-
 def _new_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(8)}"
 
@@ -109,9 +79,12 @@ def _new_id(prefix: str) -> str:
 class ChatStore:
     """All conversation state. Thread-safe: one connection, one lock (requests are short)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, quota: TenantQuota | None = None):
         self.db_path = path
+        self.quota = quota or TenantQuota()
         self._lock = threading.RLock()
+        if path != ":memory:":
+            _create_private(path)
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._db.row_factory = sqlite3.Row
         self._db.execute("PRAGMA foreign_keys = ON")
@@ -121,6 +94,7 @@ class ChatStore:
             self._db.execute("PRAGMA journal_mode = WAL")
             self._db.execute("PRAGMA synchronous = NORMAL")
         self._db.executescript(SCHEMA)
+        quotas.ensure_column(self._db)
 
     def close(self) -> None:
         with self._lock:
@@ -132,6 +106,7 @@ class ChatStore:
         now = time.time()
         conv_id = _new_id("conv")
         with self._lock:
+            quotas.check_new_conversation(self._db, tenant, self.quota)
             self._db.execute(
                 "INSERT INTO conversations (id, tenant, title, created_at, updated_at, system_prompt,"
                 " policy, keep_turns, max_tokens, params) VALUES (?,?,?,?,?,?,?,?,?,?)",
@@ -202,6 +177,8 @@ class ChatStore:
                 if parent["role"] == role:
                     raise Invalid(f"a {role} message cannot follow a {parent['role']} message",
                                   "parent_id")
+            size = quotas.message_bytes(content, stats, context)
+            quotas.check_new_bytes(self._db, tenant, self.quota, size)
             now = time.time()
             msg_id = _new_id("msg")
             seq = self._db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM messages "
@@ -215,8 +192,8 @@ class ChatStore:
                     (msg_id, conv_id, parent_id, seq, role, content, now, finish_reason,
                      int(bool(stopped)), json.dumps(stats) if stats is not None else None,
                      json.dumps(context) if context is not None else None))
-                self._db.execute("UPDATE conversations SET current_leaf_id = ?, updated_at = ? "
-                                 "WHERE id = ?", (msg_id, now, conv_id))
+                self._db.execute("UPDATE conversations SET current_leaf_id = ?, updated_at = ?, "
+                                 "bytes = bytes + ? WHERE id = ?", (msg_id, now, size, conv_id))
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
@@ -228,13 +205,17 @@ class ChatStore:
         not fit): delete it (it has no children yet) and make ``leaf_id`` the leaf again."""
         with self._lock:
             self.get_conversation(tenant, conv_id)
+            row = self._db.execute("SELECT length(CAST(content AS BLOB)) + COALESCE(length(stats), 0)"
+                                   " + COALESCE(length(context), 0) FROM messages WHERE id = ? AND "
+                                   "conversation_id = ?", (msg_id, conv_id)).fetchone()
             self._db.execute("BEGIN")
             try:
-                self._db.execute("DELETE FROM messages WHERE id = ? AND conversation_id = ? AND NOT "
+                cur = self._db.execute("DELETE FROM messages WHERE id = ? AND conversation_id = ? AND NOT "
                                  "EXISTS (SELECT 1 FROM messages c WHERE c.conversation_id = ? AND "
                                  "c.parent_id = ?)", (msg_id, conv_id, conv_id, msg_id))
-                self._db.execute("UPDATE conversations SET current_leaf_id = ? WHERE id = ? AND "
-                                 "tenant = ?", (leaf_id, conv_id, tenant))
+                freed = row[0] if row is not None and cur.rowcount else 0
+                self._db.execute("UPDATE conversations SET current_leaf_id = ?, bytes = MAX(0, bytes - ?) "
+                                 "WHERE id = ? AND tenant = ?", (leaf_id, freed, conv_id, tenant))
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
@@ -296,12 +277,18 @@ class ChatStore:
         return leaf
 
     # -- summaries (cache for the summarize policy) ----------------------------------------------
-    def get_summary(self, tenant: str, conv_id: str, upto_id: str) -> tuple[str, int] | None:
+    def summaries(self, tenant: str, conv_id: str) -> dict[str, tuple[str, int]]:
+        """Every cached summary of the conversation: upto_id -> (content, turns), one query."""
         with self._lock:
             self.get_conversation(tenant, conv_id)
-            row = self._db.execute("SELECT content, turns FROM summaries WHERE conversation_id = ?"
-                                   " AND upto_id = ?", (conv_id, upto_id)).fetchone()
-        return (row[0], row[1]) if row else None
+            rows = self._db.execute("SELECT upto_id, content, turns FROM summaries WHERE "
+                                    "conversation_id = ?", (conv_id,)).fetchall()
+        return {r[0]: (r[1], r[2]) for r in rows}
+
+    def usage(self, tenant: str) -> tuple[int, int]:
+        """(conversations, bytes) the tenant holds against its quota."""
+        with self._lock:
+            return quotas.usage(self._db, tenant)
 
     def put_summary(self, tenant: str, conv_id: str, upto_id: str, content: str, turns: int) -> None:
         with self._lock:
@@ -333,3 +320,13 @@ class ChatStore:
                        finish_reason=r["finish_reason"], stopped=bool(r["stopped"]),
                        stats=json.loads(r["stats"]) if r["stats"] else None,
                        context=json.loads(r["context"]) if r["context"] else None)
+
+
+def _create_private(path: str) -> None:
+    """Create the database file readable by its owner only (an existing one is narrowed to 0600);
+    SQLite gives its -wal and -shm files the database file's mode."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)

@@ -71,9 +71,12 @@ def create_app(settings: ShimSettings | None = None, *, client=None) -> FastAPI:
     app.state.authenticate = keys.authenticate
 
     async def complete(messages: list[dict], *, max_tokens: int, tenant: str,
-                       temperature: float = 0.0) -> str:
-        """A non-streaming chat completion's text (the chat page summarizes old turns with it)."""
+                       temperature: float = 0.0, priority: int = 0) -> str:
+        """A non-streaming chat completion's text (the chat page summarizes old turns with it, at
+        the key's priority ceiling)."""
         params: dict = {"max_tokens": max_tokens, "temperature": temperature}
+        if priority:
+            params["priority"] = priority
         if tenant and not settings.allow_shared_prefix:
             params["tenant"] = tenant
         rid = f"chatcmpl-{uuid.uuid4().hex}"

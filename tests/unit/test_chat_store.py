@@ -153,7 +153,7 @@ def test_tenant_isolation(store):
                  lambda: store.set_leaf("bob", mine.id, u.id),
                  lambda: store.add_message("bob", mine.id, role="assistant", content="x",
                                            parent_id=u.id),
-                 lambda: store.get_summary("bob", mine.id, u.id),
+                 lambda: store.summaries("bob", mine.id),
                  lambda: store.put_summary("bob", mine.id, u.id, "x", 1)):
         with pytest.raises(NotFound):
             call()
