@@ -6,7 +6,8 @@ Two generators of bad requests, run against every route of the shim's own OpenAP
 - hand-targeted hypothesis strategies: a valid body with one field made wrong (out of int64 or
   its range, non-finite, the wrong type, too long, too many), broken bytes, bad keys.
 
-Every bad request must get a 4xx with OpenAI's error body: no 5xx, no hang (a per-request
+Every bad request must get a 4xx with its API's error body (Anthropic's on /v1/messages, OpenAI's
+elsewhere; /v1/responses and /v1/messages have their own targeted bodies too): no 5xx, no hang (a per-request
 timeout), no process dies. Afterwards a reference request's output is unchanged and the engine
 is idle (no running requests, KV usage 0). At least 500 requests must have been refused.
 """
@@ -34,7 +35,8 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 TIMEOUT = 60.0                    # a request that takes longer is a hang
 MIN_REFUSED = 500
 MAX_TOKENS_CAP = 8                # accepted (valid after all) requests stay cheap
-EXAMPLES = {"POST /v1/chat/completions": 110, "POST /v1/completions": 110}
+EXAMPLES = {"POST /v1/chat/completions": 110, "POST /v1/completions": 110, "POST /v1/responses": 60,
+            "POST /v1/messages": 60}
 OTHER_EXAMPLES = 12
 
 tally: Counter = Counter()
@@ -58,8 +60,9 @@ def reference(url: str) -> str:
     return r.json()["choices"][0]["text"]
 
 
-def check(r: httpx.Response | None, what: str, exc: BaseException | None = None) -> None:
-    """Record the outcome; a 5xx, a hang, a non-OpenAI error body is a failure."""
+def check(r: httpx.Response | None, what: str, exc: BaseException | None = None, path: str = "") -> None:
+    """Record the outcome; a 5xx, a hang, an error body not in the route's API shape (Anthropic's
+    on /v1/messages, OpenAI's elsewhere) is a failure."""
     if r is None:
         tally["hang/error"] += 1
         failures.append(f"{what}: no answer ({type(exc).__name__}: {exc})")
@@ -70,15 +73,22 @@ def check(r: httpx.Response | None, what: str, exc: BaseException | None = None)
         tally["refused"] += 1
         tally[str(r.status_code)] += 1
         try:
-            err = r.json()["error"]
-            assert set(err) == {"message", "type", "param", "code"} and isinstance(err["message"], str)
+            body = r.json()
+            if path.startswith("/v1/messages"):
+                assert set(body) == {"type", "error"} and body["type"] == "error"
+                assert set(body["error"]) == {"type", "message"} and isinstance(body["error"]["message"], str)
+            else:
+                err = body["error"]
+                assert set(err) == {"message", "type", "param", "code"} and isinstance(err["message"], str)
         except Exception:                     # noqa: BLE001 -- recorded as a failure
-            failures.append(f"{what}: {r.status_code} without OpenAI's error body: {r.text[:300]}")
+            failures.append(f"{what}: {r.status_code} without its API's error body: {r.text[:300]}")
     else:
         tally["accepted"] += 1
         if "text/event-stream" in r.headers.get("content-type", ""):
             last = [e for e in r.text.split("\n\n") if e.strip()][-1:]
-            if not last or not (last[0] == "data: [DONE]" or '"error"' in last[0]):
+            ends = ("data: [DONE]", "event: response.completed", "event: response.incomplete",
+                    "event: response.failed", "event: message_stop", "event: error")
+            if not last or not (last[0].startswith(ends) or '"error"' in last[0]):
                 failures.append(f"{what}: a stream that neither finished nor failed: {r.text[-300:]}")
 
 
@@ -89,17 +99,17 @@ def send(http: httpx.Client, method: str, path: str, what: str, **kwargs) -> Non
         tally["unsendable"] += 1              # the HTTP library itself refuses (e.g. a header)
         return
     except httpx.HTTPError as exc:
-        check(None, what, exc)
+        check(None, what, exc, path)
         return
-    check(r, what)
+    check(r, what, path=path)
 
 
-def cheap(body):
+def cheap(body, path: str = ""):
     """Keep a generation that turns out valid short: cap max_tokens when it is a sane integer."""
     if isinstance(body, dict):
         body = dict(body)
-        body.setdefault("max_tokens", 4)
-        for key in ("max_tokens", "max_completion_tokens"):
+        body.setdefault("max_output_tokens" if path == "/v1/responses" else "max_tokens", 4)
+        for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             v = body.get(key)
             if isinstance(v, int) and not isinstance(v, bool) and v > MAX_TOKENS_CAP:
                 body[key] = MAX_TOKENS_CAP
@@ -131,7 +141,7 @@ def run_schemathesis(http: httpx.Client) -> None:
                 kwargs["content"] = bytes(body)
                 kwargs["headers"]["content-type"] = case.media_type or "application/json"
             elif body is not None and not type(body).__name__ == "NotSet":
-                kwargs["content"] = json.dumps(cheap(body), allow_nan=True).encode("utf-8", "surrogatepass")
+                kwargs["content"] = json.dumps(cheap(body, op.path), allow_nan=True).encode("utf-8", "surrogatepass")
                 kwargs["headers"]["content-type"] = "application/json"
             try:
                 path = case.formatted_path
@@ -206,8 +216,44 @@ def bad_generation(draw):
 
 
 @st.composite
+def bad_other_api(draw):
+    """/v1/responses and /v1/messages: a wrong type, an unknown field, an unsupported part, too much."""
+    responses = draw(st.booleans())
+    path = "/v1/responses" if responses else "/v1/messages"
+    body: dict = ({"model": MODEL, "input": "hi", "max_output_tokens": 4} if responses else
+                  {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+    body["stream"] = draw(st.booleans())
+    kind = draw(st.sampled_from(["type", "unknown", "part", "big", "int"]))
+    if kind == "type":
+        field = draw(st.sampled_from(["input", "instructions", "tools", "text", "temperature", "top_p"] if responses
+                                     else ["messages", "system", "tools", "stop_sequences", "temperature", "top_k"]))
+        body[field] = draw(st.one_of(st.integers(), st.text(min_size=1, max_size=5).filter(lambda t: not t.strip().isdigit()),
+                                     st.lists(st.integers(), min_size=1, max_size=2)).filter(
+            lambda v: not (isinstance(v, str) and field in ("input", "instructions", "system"))))
+    elif kind == "unknown":
+        body[draw(st.text(alphabet="abcdefghij_", min_size=3, max_size=10))] = 1
+    elif kind == "part":
+        part = draw(st.sampled_from([{"type": "image", "source": {}}, {"type": "input_image", "image_url": "x"},
+                                     {"type": "tool_result"}, {"type": "document"}, {"type": 5}, "str", 7]))
+        if responses:
+            body["input"] = [{"role": "user", "content": [part]}] if draw(st.booleans()) else [part]
+        else:
+            body["messages"] = [{"role": draw(st.sampled_from(["user", "assistant", "system"])), "content": [part]}]
+    elif kind == "big":
+        big = "x" * draw(st.sampled_from([20000, 200_000]))
+        if responses:
+            body["input"] = big
+        else:
+            body["messages"] = [{"role": "user", "content": big}]
+    else:
+        body["max_output_tokens" if responses else "max_tokens"] = draw(st.one_of(huge, st.just(0)))
+    return path, json.dumps(body, allow_nan=True).encode()
+
+
+@st.composite
 def bad_bytes(draw):
-    path = draw(st.sampled_from(["/v1/chat/completions", "/v1/completions", "/api/conversations"]))
+    path = draw(st.sampled_from(["/v1/chat/completions", "/v1/completions", "/api/conversations",
+                                 "/v1/responses", "/v1/messages"]))
     body = draw(st.one_of(
         st.binary(max_size=200), st.just(b""), st.just(b"null"), st.just(b"[]"), st.just(b'"x"'),
         st.just(b"[" * 5000 + b"]" * 5000), st.just(b'{"model": "' + MODEL.encode() + b'", "prompt": "\\ud800"}'),
@@ -240,7 +286,8 @@ def run_targeted(http: httpx.Client, url: str) -> None:
     @given(header=st.one_of(st.none(), st.just("Bearer"), st.just("Bearer "), st.just("Basic abc"),
                             st.text(alphabet=st.characters(min_codepoint=33, max_codepoint=126), max_size=40)
                             .map(lambda t: "Bearer " + t)),
-           path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/models", "/api/conversations"]))
+           path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/models", "/api/conversations",
+                                 "/v1/messages"]))
     def keys(header, path):
         tally["targeted"] += 1
         headers = {"content-type": "application/json"} | ({"Authorization": header} if header else {})
@@ -248,7 +295,18 @@ def run_targeted(http: httpx.Client, url: str) -> None:
         send(http, method, path, f"auth {header!r}", headers=headers,
              content=json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 2}).encode())
 
+    @settings(max_examples=80, deadline=None, database=None, derandomize=True,
+              phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+    @given(req=bad_other_api())
+    def other_api(req):
+        path, body = req
+        tally["targeted"] += 1
+        headers = {"content-type": "application/json"} | (
+            {"x-api-key": KEY} if path == "/v1/messages" else AUTH)
+        send(http, "POST", path, f"targeted {body[:160]!r}", content=body, headers=headers)
+
     generation()
+    other_api()
     raw()
     keys()
 
