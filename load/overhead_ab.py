@@ -9,9 +9,10 @@ Before/after a code change in one run: ``NAME@tree=DIR`` serves that contender's
 checkout (e.g. ``git archive <commit> | tar -x -C DIR``, with ``DIR/build`` linked to this tree's
 build/ for the cached models and kernels), in a child process with ``DIR`` as its working directory;
 the benchmark client stays this tree's. ``NAME@env.VAR=VALUE`` starts that contender's stack with
-``VAR=VALUE`` in its environment (e.g. ``http@env.OMP_WAIT_POLICY=PASSIVE``). The stubs import DIR's ``backend`` only since ``b4f97e5``
-(the model adapters put PYTHONPATH first); a DIR older than that needs those three lines in its
-``model_repository/*/1/model.py``, else its engine runs this tree's backend code.
+``VAR=VALUE`` in its environment (e.g. ``http@env.OMP_WAIT_POLICY=PASSIVE``). The stubs import DIR's
+``backend`` through DIR's ``bench/attach/sitecustomize.py`` (on PYTHONPATH: DIR first, ahead of the venv's
+editable install); between ``b4f97e5`` and this change the model adapters did it themselves, and a
+DIR older than ``b4f97e5`` runs this tree's backend code in its stubs.
 
 Per contender and load point: output tok/s, ITL p50, and the CPU time of every process involved
 (the benchmark process, tritonserver and its stubs, the shim) per output token -- CPU time is what
@@ -71,7 +72,8 @@ class TreeStack:
         self.proc = None
 
     def __enter__(self) -> "TreeStack":
-        env = {**os.environ, "PYTHONPATH": str(pathlib.Path(self.tree).resolve())}
+        tree = pathlib.Path(self.tree).resolve()       # its bench/attach puts the tree first in the stubs
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(tree / "bench" / "attach")])}
         self.proc = subprocess.Popen([sys.executable, "-c", _TREE_STACK, str(self.model),
                                       json.dumps({k: str(v) for k, v in self.opts.items()}),
                                       "1" if self.shim else "0"],

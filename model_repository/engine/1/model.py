@@ -3,14 +3,7 @@
 execute() copies each request out of pb_utils and hands it to the EngineService, which submits it
 to the EngineLoop thread and answers from its own response thread; execute() returns None at once.
 """
-import os
 import sys
-
-# The stub's interpreter finds the project through the venv's editable install (the checkout the
-# venv was installed from) ahead of PYTHONPATH: the launcher's PYTHONPATH (install.py server_env,
-# the checkout that started this server) goes first, so `load.overhead_ab NAME@tree=DIR` serves DIR.
-_tree = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-sys.path[:] = _tree + [p for p in sys.path if p not in _tree]
 
 import gc
 import logging

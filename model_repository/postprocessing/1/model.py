@@ -1,12 +1,4 @@
 """Triton adapter: engine token windows -> text deltas (backend/serving/postprocess.py does the work)."""
-import os
-import sys
-
-# The stub's interpreter finds the project through the venv's editable install (the checkout the
-# venv was installed from) ahead of PYTHONPATH: the launcher's PYTHONPATH (install.py server_env,
-# the checkout that started this server) goes first, so `load.overhead_ab NAME@tree=DIR` serves DIR.
-_tree = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-sys.path[:] = _tree + [p for p in sys.path if p not in _tree]
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
