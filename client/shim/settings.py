@@ -39,6 +39,8 @@ class ShimSettings:
     chat_db_path: str | None = None        # read by the chat page (client/chat): its session store
                                            # (None: in memory; the command line defaults to a file)
     chat_keep_turns: int | None = None     # read by the chat page: default turns kept
+    chat_max_conversations: int | None = None  # chat page per-tenant quotas (client/chat/quota.py;
+    chat_max_bytes: int | None = None          # None: its defaults, 500 conversations, 32 MiB)
     require_api_keys: bool = False         # refuse to start with no keys (compose, public deployments)
     insecure_no_api_keys: bool = False     # ... unless the operator says so explicitly
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES   # larger request bodies: 413 before parsing
@@ -158,6 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="chat page session store, an SQLite file (':memory:' keeps nothing; default: "
                         "chat.sqlite in triton-llm serve's default work directory, build/serve)")
     p.add_argument("--chat-keep-turns", type=int, default=None, help="chat page: turns kept by default")
+    p.add_argument("--chat-max-conversations", type=int, default=None,
+                   help="chat page: conversations one tenant may keep (default 500)")
+    p.add_argument("--chat-max-bytes", type=int, default=None,
+                   help="chat page: bytes of messages one tenant may keep (default 32 MiB)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="larger request bodies are refused with 413 before they are parsed")
     p.add_argument("--prompt-chars-per-token", type=int, default=DEFAULT_PROMPT_CHARS_PER_TOKEN,
@@ -177,6 +183,8 @@ def settings_from_args(args: argparse.Namespace) -> ShimSettings:
                         api_keys_file=args.api_keys, allow_shared_prefix=args.allow_shared_prefix,
                         max_model_len=args.max_model_len, chat_db_path=args.chat_db,
                         chat_keep_turns=args.chat_keep_turns, max_body_bytes=args.max_body_bytes,
+                        chat_max_conversations=args.chat_max_conversations,
+                        chat_max_bytes=args.chat_max_bytes,
                         prompt_chars_per_token=args.prompt_chars_per_token,
                         stream_write_timeout_s=args.stream_write_timeout,
                         require_api_keys=args.require_api_keys,
