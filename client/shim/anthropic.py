@@ -20,6 +20,7 @@ from client.shim.anthropic_format import MessagesTally, error_body
 from client.shim.anthropic_schema import MessagesRequest, to_chat
 from client.shim.chat_path import respond_chat
 from client.shim.errors import unauthorized
+from client.shim.reasoning import parses_reasoning
 from client.shim.routes import _check_model
 from client.shim.tenants import KeyPolicy
 from client.shim.tools import parses_tool_calls
@@ -46,7 +47,7 @@ async def create_message(body: MessagesRequest, request: Request, key: KeyPolicy
     body.check_supported()
     chat = to_chat(body)
     tally = MessagesTally(request_id=f"msg_{uuid.uuid4().hex}", body=body,
-                          reasoning=bool(request.app.state.settings.reasoning_parser),
+                          reasoning=parses_reasoning(request.app.state.settings.reasoning_parser, chat),
                           tools=parses_tool_calls(chat))
     return await respond_chat(request, key, chat, tally, body.param_names(), "messages")
 

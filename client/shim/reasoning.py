@@ -70,6 +70,19 @@ class ThinkParser:
         return rest, ""                 # an unclosed (or never opened) thought is reasoning
 
 
+def parses_reasoning(parser: str | None, chat) -> bool:
+    """Whether a chat request's output is split. Not when a grammar binds the output from its first
+    token (a JSON ``response_format``, ``tool_choice`` required or named, ``guided_json`` /
+    ``guided_choice``): it cannot hold a thought, and an answer without ``</think>`` would all be
+    taken for one. ``guided_regex`` / ``guided_grammar`` may spell the thought out, so they keep it."""
+    if not parser:
+        return False
+    fmt = (chat.response_format or {}).get("type")
+    choice = chat.tool_choice if chat.tools else None
+    return not (fmt in ("json_schema", "json_object") or choice == "required" or isinstance(choice, dict)
+                or chat.guided_json is not None or chat.guided_choice is not None)
+
+
 def split_reasoning(text: str) -> tuple[str, str]:
     """Whole output -> (reasoning, answer)."""
     p = ThinkParser()

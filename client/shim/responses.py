@@ -13,6 +13,7 @@ from fastapi import APIRouter, Depends, Request
 
 from client.shim.chat_path import assistant_message, respond_chat
 from client.shim.errors import OpenAIError, invalid
+from client.shim.reasoning import parses_reasoning
 from client.shim.responses_format import ResponsesTally
 from client.shim.responses_schema import ResponsesRequest, to_chat
 from client.shim.routes import _check_model, authenticated
@@ -42,7 +43,7 @@ async def create_response(body: ResponsesRequest, request: Request, key: KeyPoli
         if body.store is not False:
             store.put(key.tenant, rid, conversation + [assistant_message(turn)])
 
-    tally = ResponsesTally(request_id=rid, body=body, reasoning=bool(state.settings.reasoning_parser),
+    tally = ResponsesTally(request_id=rid, body=body, reasoning=parses_reasoning(state.settings.reasoning_parser, chat),
                            tools=parses_tool_calls(chat), on_done=keep)
     return await respond_chat(request, key, chat, tally, body.param_names(), "input")
 

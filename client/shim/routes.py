@@ -18,7 +18,7 @@ from client.shim.errors import from_llm_error, model_not_found, not_ready
 from client.shim.format import Tally
 from client.shim.generation import ClientDisconnected, collect, merged, until_disconnect
 from client.shim.limits import check_prompt_chars
-from client.shim.reasoning import with_reasoning
+from client.shim.reasoning import parses_reasoning, with_reasoning
 from client.shim.schemas import ChatCompletionRequest, CompletionRequest
 from client.shim.settings import context_window_of
 from client.shim.tools import ToolTally, parses_tool_calls
@@ -84,7 +84,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
                              stream=body.stream)]
     tally_type = ToolTally if parses_tool_calls(body) else Tally     # tools: message.tool_calls
     kw = {}
-    if _state(request).settings.reasoning_parser:                    # <think>: reasoning_content
+    if parses_reasoning(_state(request).settings.reasoning_parser, body):   # <think>: reasoning_content
         tally_type, kw["include_reasoning"] = with_reasoning(tally_type), body.include_reasoning
     tally = tally_type(chat=True, request_id=rid, model=body.model, num_choices=body.n or 1,
                        logprobs=bool(body.logprobs), include_usage=body.include_usage, **kw)

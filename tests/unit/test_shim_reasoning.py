@@ -10,7 +10,8 @@ import pytest
 from client.fake_client import FakeLLMClient
 from client.shim import ShimSettings, create_app
 from client.shim.background import BackgroundServer
-from client.shim.reasoning import ThinkParser, split_reasoning
+from client.shim.reasoning import ThinkParser, parses_reasoning, split_reasoning
+from client.shim.schemas import ChatCompletionRequest
 from client.shim.turn import Turn, TurnParser
 
 TEXTS = ["<think>abc</think>answer", "abc</think>ans", "never closed", "  <think>x</thi", "</think>",
@@ -83,3 +84,22 @@ def test_include_reasoning_false_drops_the_thinking(sdk):
                                               extra_body={"include_reasoning": False}))
     assert not any(getattr(c.choices[0].delta, "reasoning_content", None) for c in chunks if c.choices)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "The answer is 42."
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("extra, parsed", [
+    ({}, True),
+    ({"tools": [TOOL]}, True),                                          # auto: the model may think first
+    ({"guided_regex": "a+</think>b"}, True),
+    ({"tools": [TOOL], "tool_choice": "required"}, False),              # bound from the first token
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "f"}}}, False),
+    ({"response_format": {"type": "json_object"}}, False),
+    ({"response_format": {"type": "text"}}, True),
+    ({"guided_choice": ["a", "b"]}, False),
+])
+def test_grammar_bound_outputs_are_not_split(extra, parsed):
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], **extra)
+    assert parses_reasoning("deepseek_r1", chat) is parsed
+    assert parses_reasoning(None, chat) is False

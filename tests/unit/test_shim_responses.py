@@ -47,6 +47,8 @@ def test_plain_string_input_reasoning_and_message_items(sdk, fake):
     call = fake.calls[-1]
     assert call["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
     assert call["params"] == {"max_tokens": 400, "temperature": 0.0, "top_p": 0.5, "tenant": "acme"}
+    r = sdk.responses.create(model="tiny", input="hi", max_output_tokens=400, extra_body={"include_reasoning": False})
+    assert [o.type for o in r.output] == ["message"] and r.output_text == REPLY
 
 
 def test_stream_events_rebuild_the_same_response(sdk):
@@ -72,11 +74,10 @@ def test_stream_events_rebuild_the_same_response(sdk):
 
 
 def test_function_call_round_trip_and_previous_response_id(sdk, fake):
-    fake.reply = "hmm</think>" + CALL
+    fake.reply = CALL                                   # a named tool_choice binds the output: no thought
     r = sdk.responses.create(model="tiny", input="Weather in Paris?", tools=[WEATHER],
-                             tool_choice={"type": "function", "name": "get_weather"},
-                             extra_body={"include_reasoning": False})
-    [call] = r.output                                   # include_reasoning false: no reasoning item
+                             tool_choice={"type": "function", "name": "get_weather"})
+    [call] = r.output
     assert call.type == "function_call" and call.status == "completed"
     assert (call.name, call.arguments, r.output_text) == ("get_weather", '{"city": "Paris"}', "")
     assert '"function": {"name": "get_weather"}' in fake.calls[-1]["params"]["tool_choice"]
@@ -100,7 +101,7 @@ def test_function_call_round_trip_and_previous_response_id(sdk, fake):
 
 
 def test_json_schema_goes_to_the_grammar(sdk, fake):
-    fake.reply = '</think>{"a": 1}'
+    fake.reply = '{"a": 1}'                              # bound by the grammar from the start: no thought
     r = sdk.responses.create(model="tiny", input="json", text={"format": {
         "type": "json_schema", "name": "thing", "schema": {"type": "object"}, "strict": True}})
     assert r.output_text == '{"a": 1}'
