@@ -74,7 +74,7 @@ NOTES = {
     "LLM_TTFT_TRACE": "folder: record first-token timestamps per process (lab trace)",
     "LLM_DISAGG_TRACE": "folder: the decode engine records each step (lab trace)",
     "TRITON_INTERPRET": "1: Triton kernels run in the interpreter (no GPU)",
-    "PYTHONPATH": "the Triton adapters import the project from its entries",
+    "PYTHONPATH": "with bench/attach on it, the lab serves the checkout it names (`overhead_ab NAME@tree=DIR`)",
     "CC": "C compiler for the CPU kernels (else cc, gcc, clang)",
     "OUT": "gpu_check.py writes its logs under $OUT/gpu_check",
     "TMPDIR": "gpu_check.py builds its 200 MB checkpoint here",
@@ -251,7 +251,7 @@ def env_vars() -> list[tuple]:
 
 
 # -- metrics ----------------------------------------------------------------------------------
-_KINDS = {"counter": "counter", "rcounter": "counter", "gauge": "gauge", "histogram": "histogram",
+_KINDS = {"counter": "counter", "rcounter": "counter", "gauge": "gauge", "histogram": "histogram", "summary": "summary",
           "histograms": "histogram", "gauges": "gauge", "counters": "counter", "stat_counters": "counter"}
 
 
@@ -272,8 +272,11 @@ def metric_defs(path: pathlib.Path) -> dict[str, tuple[str, str, list[str]]]:
                 keys += label_keys(label_vars[v.id])
         return keys
 
-    def add(name, doc, kind, labels=()):
-        if isinstance(name, str) and METRIC.fullmatch(name) and isinstance(doc, str):
+    def add(name, doc, kind, labels=(), constructor=False):
+        # a known metric constructor may use any name; elsewhere only our llm_ prefixes count
+        ok = re.fullmatch(r"[a-z_][a-z0-9_]*", name) if constructor and isinstance(name, str) else \
+            isinstance(name, str) and METRIC.fullmatch(name)
+        if ok and isinstance(doc, str):
             kind = kind or ("counter" if name.endswith("_total") else "gauge")
             out.setdefault(name, (kind, doc, sorted(labels)))
 
@@ -289,7 +292,8 @@ def metric_defs(path: pathlib.Path) -> dict[str, tuple[str, str, list[str]]]:
                     labels += label_keys(a)
                 elif isinstance(a, (ast.Tuple, ast.List)):
                     labels += [e.value for e in a.elts if isinstance(e, ast.Constant)]
-            add(_value(node.args[0], consts), _value(node.args[1], consts), _KINDS.get(fname), labels)
+            add(_value(node.args[0], consts), _value(node.args[1], consts), _KINDS.get(fname), labels,
+                constructor=fname in _KINDS)
         elif isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, ast.Dict):
             target = node.targets[0] if isinstance(node, ast.Assign) else node.target
             kind = _KINDS.get(getattr(target, "id", "").lower())
@@ -363,9 +367,13 @@ def render() -> str:
     lines += ["", "## Metrics", "",
               "The engine model's metrics are on Triton's metrics port (`/metrics`, 8002 by default) next to",
               "Triton's own `nv_*` families; every series carries the model's `model` / `version` labels.",
-              "The scale-out router's (`triton_llm_*`) go through Ray's metrics export.", "",
+              "The scale-out router's (`triton_llm_*`) go through Ray's metrics export."]
+    rows = metrics()
+    if not any(where.startswith("client/") for _, _, _, where, _ in rows):
+        lines.append("The shim exports no metrics of its own (its requests are counted by the engine's).")
+    lines += ["",
               "| metric | type | labels | defined in | meaning |", "|---|---|---|---|---|"]
-    for name, kind, labels, where, doc in metrics():
+    for name, kind, labels, where, doc in rows:
         lab = ", ".join(f"`{x}`" for x in labels) or "–"
         lines.append(f"| `{name}` | {kind} | {lab} | `{where}` | {_md(doc)} |")
     lines += ["", "## Command lines", ""]
