@@ -1,8 +1,8 @@
 """Where a request's first token spends its time: an opt-in trace across the serving processes.
 
-Attached from outside the product: with ``LLM_TTFT_TRACE=<dir>`` and ``PYTHONPATH=bench/attach`` in
-the environment of the server and the shim (the stubs inherit tritonserver's), Python's
-``sitecustomize`` hook attaches ``record`` to ``backend.timing`` in every process, which records ``(request id, event, time.monotonic())`` at the hops of a
+Attached from outside the product: a stack started with the interpreter of ``python -m
+bench.lab_venv`` and ``LLM_TTFT_TRACE=<dir>`` in its environment (the stubs inherit tritonserver's)
+attaches ``record`` to ``backend.timing`` in every process, which records ``(request id, event, time.monotonic())`` at the hops of a
 request's way to its first token -- one clock for every process of the host -- and a daemon
 thread appends them as JSON lines to ``<dir>/<process>-<pid>.jsonl`` about every 0.2 s. Events:
 

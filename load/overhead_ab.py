@@ -9,10 +9,9 @@ Before/after a code change in one run: ``NAME@tree=DIR`` serves that contender's
 checkout (e.g. ``git archive <commit> | tar -x -C DIR``, with ``DIR/build`` linked to this tree's
 build/ for the cached models and kernels), in a child process with ``DIR`` as its working directory;
 the benchmark client stays this tree's. ``NAME@env.VAR=VALUE`` starts that contender's stack with
-``VAR=VALUE`` in its environment (e.g. ``http@env.OMP_WAIT_POLICY=PASSIVE``). The stubs import DIR's
-``backend`` through DIR's ``bench/attach/sitecustomize.py`` (on PYTHONPATH: DIR first, ahead of the venv's
-editable install); between ``b4f97e5`` and this change the model adapters did it themselves, and a
-DIR older than ``b4f97e5`` runs this tree's backend code in its stubs.
+``VAR=VALUE`` in its environment (e.g. ``http@env.OMP_WAIT_POLICY=PASSIVE``). A tree's stack runs on
+``bench.lab_venv``'s overlay of this venv, which serves DIR's code in every process, the stubs included
+(a DIR older than ``0e7e138`` still has its own adapters' sys.path lines, which do the same).
 
 Per contender and load point: output tok/s, ITL p50, and the CPU time of every process involved
 (the benchmark process, tritonserver and its stubs, the shim) per output token -- CPU time is what
@@ -35,6 +34,7 @@ import time
 
 from backend.serving.process_group import scoped_environ
 from backend.serving.repository import POSTPROCESSING_STEP_ENV
+from bench.lab_venv import lab_venv
 from load.backends import EngineBackend, GrpcBackend, ShimBackend
 from load.bench import bench_point, warm_up
 from load.profile_overhead import cpu_seconds, group_members, label
@@ -72,9 +72,9 @@ class TreeStack:
         self.proc = None
 
     def __enter__(self) -> "TreeStack":
-        tree = pathlib.Path(self.tree).resolve()       # its bench/attach puts the tree first in the stubs
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(tree / "bench" / "attach")])}
-        self.proc = subprocess.Popen([sys.executable, "-c", _TREE_STACK, str(self.model),
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        python = lab_venv(self.tree)                   # serves the tree's code, the stubs included
+        self.proc = subprocess.Popen([str(python), "-c", _TREE_STACK, str(self.model),
                                       json.dumps({k: str(v) for k, v in self.opts.items()}),
                                       "1" if self.shim else "0"],
                                      cwd=self.tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

@@ -9,7 +9,7 @@ first (cold: fills the prefix caches), then twice more measured: the measured re
 prefix-cache hits, so TTFT is the stack's own path plus a one-block prefill step, as in the
 1-stream phase of ``load.suites peers`` after its 16-stream phase. Prints TTFT p50 / p90 and the
 time between SSE chunks (ITL p50) per tree. For where the time goes hop by hop, run a stack with
-``LLM_TTFT_TRACE=<dir> PYTHONPATH=bench/attach`` (bench/ttft_trace.py).
+``LLM_TTFT_TRACE=<dir>`` on the interpreter of ``python -m bench.lab_venv`` (bench/ttft_trace.py).
 """
 from __future__ import annotations
 

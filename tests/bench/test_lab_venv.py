@@ -1,0 +1,34 @@
+"""bench/lab_venv.py: an interpreter of the overlay imports the given checkout's ``backend`` (not the
+venv's editable install) and attaches the first-token trace when LLM_TTFT_TRACE is set."""
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import subprocess
+
+from bench.lab_venv import ROOT, lab_venv
+
+PROBE = "import backend, backend.timing as t; print(backend.__file__); print(t.hook is not None)"
+
+
+def _probe(python: pathlib.Path, **env: str) -> list[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LLM_TTFT_TRACE")} | env
+    out = subprocess.run([str(python), "-c", PROBE], env=env, cwd="/", capture_output=True, text=True,
+                         timeout=120, check=True)
+    return out.stdout.split()
+
+
+def test_the_overlay_serves_its_tree_and_attaches_the_trace(tmp_path):
+    tree = tmp_path / "tree"
+    shutil.copytree(ROOT / "bench", tree / "bench", ignore=shutil.ignore_patterns("__pycache__"))
+    (tree / "backend").mkdir()
+    (tree / "backend" / "__init__.py").write_text("")
+    shutil.copy(ROOT / "backend" / "timing.py", tree / "backend" / "timing.py")
+    python = lab_venv(tree, where=tmp_path / "venvs")
+    assert _probe(python) == [str(tree / "backend" / "__init__.py"), "False"]
+    assert _probe(python, LLM_TTFT_TRACE=str(tmp_path / "trace")) == [str(tree / "backend" / "__init__.py"), "True"]
+    # and this checkout's own overlay imports this checkout, with torch & co from the venv
+    out = subprocess.run([str(lab_venv(ROOT, where=tmp_path / "venvs")), "-c", "import backend, numpy; print(backend.__file__)"],
+                         cwd="/", capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == str(ROOT / "backend" / "__init__.py")
