@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
                     help="engine option (see backend/config.py EngineArgs), repeatable")
     sv.add_argument("--api-keys", default=None, help="file of API keys for the shim (KEY[:TENANT] per line)")
+    sv.add_argument("--insecure-no-api-keys", action="store_true",
+                    help="let the shim serve without API keys on a --host beyond loopback (it refuses "
+                         "otherwise): anyone who reaches the port uses the model")
     sv.add_argument("--workdir", default=None, help="where the generated model repository and logs go")
     from backend.scale.run import add_arguments as add_scale_arguments
     add_scale_arguments(sv)

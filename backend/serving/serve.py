@@ -46,6 +46,8 @@ def start_shim(args: argparse.Namespace, server: TritonServer, workdir: pathlib.
            "--chat-db", str(workdir / "chat.sqlite")]      # chats outlive a restart (docs/chat.md)
     if args.api_keys:
         cmd += ["--api-keys", args.api_keys]
+    if getattr(args, "insecure_no_api_keys", False):
+        cmd += ["--insecure-no-api-keys"]
     cmd += extra or []
     log = workdir / "shim.log"
     proc = spawn(cmd, log, cwd=ROOT)
