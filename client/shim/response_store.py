@@ -7,8 +7,9 @@ is the previous prompt plus the previous answer plus the new turn: the same toke
 from the engine's prefix cache for that tenant.
 
 Bounds: per tenant, at most ``max_items`` responses and ``max_bytes`` of their JSON; the least
-recently used go first. A tenant sees only its own ids (another tenant's id is "not found"), and at
-most ``max_tenants`` tenants are held (the least recently active one is dropped whole). Lost on
+recently used go first. A tenant sees only its own ids (another tenant's id is "not found"). All
+tenants together hold at most ``max_total_bytes`` (the least recently active tenant's oldest go
+first) and ``max_tenants`` tenants (the least recently active one is dropped whole). Lost on
 restart, as a cache is.
 """
 from __future__ import annotations
@@ -26,8 +27,10 @@ class StoredResponse:
 
 
 class ResponseStore:
-    def __init__(self, max_items: int = 1024, max_bytes: int = 64 << 20, max_tenants: int = 256) -> None:
+    def __init__(self, max_items: int = 1024, max_bytes: int = 64 << 20, max_tenants: int = 256,
+                 max_total_bytes: int = 256 << 20) -> None:
         self.max_items, self.max_bytes, self.max_tenants = max_items, max_bytes, max_tenants
+        self.max_total_bytes = max_total_bytes
         self._tenants: OrderedDict[str, OrderedDict[str, StoredResponse]] = OrderedDict()
         self._bytes: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -35,7 +38,7 @@ class ResponseStore:
     def put(self, tenant: str, response_id: str, messages: list[dict]) -> bool:
         """Keep ``messages`` under ``response_id``; False if one response alone is over the bound."""
         size = len(json.dumps(messages, ensure_ascii=False).encode())
-        if size > self.max_bytes:
+        if size > min(self.max_bytes, self.max_total_bytes):
             return False
         with self._lock:
             items = self._tenants.pop(tenant, None)
@@ -54,6 +57,12 @@ class ResponseStore:
             while len(self._tenants) > self.max_tenants:
                 dropped, _ = self._tenants.popitem(last=False)
                 del self._bytes[dropped]
+            while sum(self._bytes.values()) > self.max_total_bytes:
+                oldest, items = next(iter(self._tenants.items()))
+                _, gone = items.popitem(last=False)
+                self._bytes[oldest] -= gone.size
+                if not items:
+                    del self._tenants[oldest], self._bytes[oldest]
         return True
 
     def get(self, tenant: str, response_id: str) -> list[dict] | None:

@@ -53,3 +53,15 @@ def test_get_returns_a_copy():
     got[0]["content"] = "changed"
     got.append({"role": "user", "content": "more"})
     assert s.get("t", "r") == msgs("a")
+
+
+def test_total_bytes_bound_takes_from_the_least_recently_active_tenant():
+    one = size(msgs("x" * 100))
+    s = ResponseStore(max_items=100, max_bytes=10 * one, max_total_bytes=3 * one)
+    s.put("acme", "a1", msgs("x" * 100))
+    s.put("acme", "a2", msgs("x" * 100))
+    s.put("globex", "g1", msgs("x" * 100))
+    s.put("globex", "g2", msgs("x" * 100))              # over: acme (least recently active) gives up a1
+    assert s.get("acme", "a1") is None and s.get("acme", "a2") is not None
+    s.put("globex", "g3", msgs("x" * 100))              # over again: acme's last one, then acme is gone
+    assert s.stats("acme") == (0, 0) and s.stats("globex") == (3, 3 * one)
