@@ -56,7 +56,8 @@ def test_text_batch_equals_transformers_float_and_base64(sdk, shim, triton_serve
     for d, f, toks in zip(got.data, as_float.data, ids):
         want = reference(triton_server.model_dir, toks)
         np.testing.assert_allclose(np.array(d.embedding), want, atol=1e-4, rtol=0)
-        assert np.array(f.embedding, dtype=np.float32).tobytes() == np.array(d.embedding, dtype=np.float32).tobytes()
+        # two requests: their steps may batch differently (a GEMM row's rounding depends on the rows beside it)
+        np.testing.assert_allclose(f.embedding, d.embedding, atol=1e-6, rtol=0)
     kv_idle(shim)
 
 
