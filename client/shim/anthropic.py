@@ -12,6 +12,7 @@ error bodies the shared checks make (body limit, auth, validation, server errors
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 
 from fastapi import APIRouter, Depends, Request
@@ -25,6 +26,7 @@ from client.shim.routes import _check_model
 from client.shim.tenants import KeyPolicy
 from client.shim.tools import parses_tool_calls
 
+log = logging.getLogger("triton_llm.shim")
 router = APIRouter()
 PATH = "/v1/messages"
 
@@ -66,6 +68,8 @@ class AnthropicErrors:
         held: dict = {}
 
         async def reshape(message) -> None:
+            if message["type"] == "http.response.start":
+                held["started"] = True
             if message["type"] == "http.response.start" and message["status"] >= 400:
                 held["start"], held["body"] = message, b""
                 return
@@ -82,7 +86,17 @@ class AnthropicErrors:
                 return
             await send(message)
 
-        await self.app(scope, receive, reshape)
+        try:
+            await self.app(scope, receive, reshape)
+        except Exception:
+            # Starlette's last-resort 500 is made outside this middleware, in OpenAI's shape
+            if held.get("started"):
+                raise
+            log.exception("unhandled error on %s", PATH)
+            body = json.dumps(error_body(500, "internal error")).encode()
+            await send({"type": "http.response.start", "status": 500, "headers": [
+                (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 def _reshaped(status: int, body: bytes) -> bytes:

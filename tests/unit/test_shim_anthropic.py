@@ -147,3 +147,15 @@ def test_failure_after_start_is_an_error_event(sdk, fake):
         for _ in sdk.messages.create(model="tiny", max_tokens=100, messages=MSG, stream=True):
             pass
     assert "engine died" in str(e.value)
+
+
+def test_an_unexpected_server_error_is_an_anthropic_500(server, fake):
+    fake.fail_after = None
+    real, fake.generate = fake.generate, None           # calling it raises TypeError inside the route
+    try:
+        r = httpx.post(server.url + "/v1/messages", headers={"x-api-key": KEY},
+                       json={"model": "tiny", "max_tokens": 5, "messages": MSG})
+    finally:
+        fake.generate = real
+    assert r.status_code == 500 and r.json() == {"type": "error", "error": {"type": "api_error",
+                                                                           "message": "internal error"}}
