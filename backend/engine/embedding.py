@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from backend.engine.admission import EngineLimits, _token_ids_ok
+from backend.engine.admission import EngineLimits, token_ids_ok
 from backend.engine.sequence import Sequence
 from backend.errors import invalid_request
 from backend.model.pooling import PoolingConfig, finish_vector
@@ -49,7 +49,7 @@ def validate_embed(limits: EngineLimits, model: PoolingConfig, request_id: str, 
     n = len(prompt_token_ids)
     if n == 0:
         raise invalid_request("input_ids", "the input is empty: at least one token is needed")
-    if not _token_ids_ok(prompt_token_ids, limits.vocab_size):
+    if not token_ids_ok(prompt_token_ids, limits.vocab_size):
         raise invalid_request("input_ids", f"token ids must be integers in [0, {limits.vocab_size})")
     if n > limits.max_model_len:
         raise invalid_request("input_ids", f"the input has {n} tokens; at most {limits.max_model_len} "
