@@ -14,8 +14,7 @@ failing a request at run time.
                                     thread; only the outputs a caller requests are built)
     client <--text_output, finish_reason, index, *_tokens, output_ids, logprobs, metrics--
 
-The ``postprocessing`` model (token windows -> text) stays in the repository for token-id clients
-and for the old three-step ensemble (``TRITON_LLM_POSTPROCESSING_STEP=1``, backend/serving/repository.py).
+The ``postprocessing`` model (token windows -> text) stays in the repository for token-id clients.
 
 Request parameters are OpenAI's names; the same parameters reach every step of the ensemble.
 """

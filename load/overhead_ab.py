@@ -1,6 +1,5 @@
-"""The serving stack's cost per streamed token, side by side in one run: the in-process engine, the
-full stack (OpenAI shim -> llm ensemble over gRPC), and the full stack with the old three-step
-ensemble (a postprocessing model call per token, ``TRITON_LLM_POSTPROCESSING_STEP=1``), alternated
+"""The serving stack's cost per streamed token, side by side in one run: the in-process engine and
+the full stack (OpenAI shim -> llm ensemble over gRPC, or the ensemble over gRPC alone), alternated
 round by round so background load hits every contender alike.
 
     python -m load.overhead_ab --model bench-15m --concurrency 1 16 32 --rounds 2
@@ -33,7 +32,6 @@ import sys
 import time
 
 from backend.serving.process_group import scoped_environ
-from backend.serving.repository import POSTPROCESSING_STEP_ENV
 from bench.lab_venv import lab_venv
 from load.backends import EngineBackend, GrpcBackend, ShimBackend
 from load.bench import bench_point, warm_up
@@ -44,9 +42,7 @@ from load.workloads import WorkloadSpec, make_workload
 CONTENDERS = {
     "engine": "in-process EngineLoop",
     "http": "full stack: shim + ensemble (engine detokenizes)",
-    "http-post": "full stack: shim + ensemble with the postprocessing step (before)",
     "grpc": "gRPC ensemble (engine detokenizes)",
-    "grpc-post": "gRPC ensemble with the postprocessing step (before)",
 }
 
 
@@ -191,8 +187,7 @@ class Contender:
 
     async def open(self) -> "Contender":
         # read when the stack starts (the repository is generated, the processes spawned)
-        env = {POSTPROCESSING_STEP_ENV: "1" if self.name.endswith("-post") else None, **self.env}
-        with scoped_environ(env):
+        with scoped_environ(self.env):
             try:
                 name, model, opts, http = self.name, self.model, self.opts, self.name.startswith("http")
                 if name == "engine":
@@ -328,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m load.overhead_ab", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="bench-15m")
-    p.add_argument("--contenders", nargs="+", default=["engine", "http", "http-post"],
+    p.add_argument("--contenders", nargs="+", default=["engine", "http"],
                    help=f"of {', '.join(CONTENDERS)}; NAME@KEY=VALUE adds an engine option")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 32])
     p.add_argument("--rounds", type=int, default=2)

@@ -61,7 +61,6 @@ NOTES = {
     "TRITON_LLM_AMX": "0: bf16 linears never use AMX tiles",
     "TRITON_LLM_ENGINE_NICE": "nice level of the engine thread (the launcher sets -19)",
     "TRITON_LLM_TEST_FAULTS": "1: honour the test_faults engine option (tests only)",
-    "TRITON_LLM_POSTPROCESSING_STEP": "1: the ensemble keeps its per-token postprocessing step",
     "TRITON_LLM_RESPONSE_SENDERS": "sender threads of the response thread (0 = sends inline)",
     "TRITON_LLM_DRAIN_SECONDS": "serve's drain on SIGTERM: open streams may finish this long",
     "TRITON_LLM_API_KEYS": "comma-separated shim API keys, KEY[:TENANT] each",

@@ -14,7 +14,6 @@ reported_parameters) into its ``weights_*`` parameters, and optionally changes i
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import re
 import shutil
@@ -25,10 +24,6 @@ from backend.config import EngineArgs
 from backend.context import context_window_for
 
 TEMPLATES = pathlib.Path(__file__).resolve().parents[2] / "model_repository"
-# TRITON_LLM_POSTPROCESSING_STEP=1: the llm ensemble as it was before the engine detokenized
-# (preprocessing -> engine -> postprocessing per token), to measure both in one run (load/bench.py).
-POSTPROCESSING_STEP_ENV = "TRITON_LLM_POSTPROCESSING_STEP"
-POSTPROCESSING_STEP_CONFIG = "postprocessing_step.pbtxt"
 
 
 def _param_pattern(key: str) -> re.Pattern:
@@ -109,12 +104,6 @@ def generate_repository(dst: pathlib.Path, model_dir: str | pathlib.Path, *,
     for name in models:
         shutil.copytree(src / name, dst / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         cfg_path = dst / name / "config.pbtxt"
-        variant = dst / name / POSTPROCESSING_STEP_CONFIG
-        if variant.exists():        # the old three-step ensemble, for side-by-side measurements only
-            if os.environ.get(POSTPROCESSING_STEP_ENV) == "1":
-                variant.replace(cfg_path)
-            else:
-                variant.unlink()
         cfg = cfg_path.read_text()
         if P.MODEL_DIR in declared_parameters(cfg):
             cfg = set_parameter(cfg, P.MODEL_DIR, str(pathlib.Path(model_dir).resolve()))

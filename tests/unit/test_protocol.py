@@ -45,15 +45,10 @@ def test_config_tensors_match_the_protocol(path):
     assert specs(cfg.output) == by_name(io.outputs)
 
 
-ENSEMBLES = [TEMPLATES / P.ENSEMBLE / "config.pbtxt", TEMPLATES / P.ENSEMBLE / "postprocessing_step.pbtxt"]
-
-
-@pytest.mark.parametrize("path", ENSEMBLES, ids=lambda p: p.name)
-def test_ensemble_steps_wire_real_tensors(path):
+def test_ensemble_steps_wire_real_tensors():
     """Every step maps existing inputs/outputs of its model; each intermediate is produced before
-    it is consumed; every ensemble output is produced by some step (the ensemble and the old
-    three-step variant that TRITON_LLM_POSTPROCESSING_STEP=1 selects)."""
-    cfg = load(path)
+    it is consumed; every ensemble output is produced by some step."""
+    cfg = load(TEMPLATES / P.ENSEMBLE / "config.pbtxt")
     assert specs(cfg.output) == by_name(P.MODELS[P.ENSEMBLE].outputs)
     available = {t.name for t in cfg.input}
     for step in cfg.ensemble_scheduling.step:
