@@ -139,3 +139,22 @@ def test_failure_after_start_ends_the_stream_with_an_error_event(sdk, fake):
     assert [e.type for e in events[-2:]] == ["error", "response.failed"]
     assert events[-2].message == "engine died" and events[-1].response.status == "failed"
     assert "response.completed" not in {e.type for e in events}
+
+
+def test_output_items_sent_back_as_input(sdk, fake):
+    """The manual-state pattern: the previous output items (message, reasoning, function_call, with
+    their ids and statuses) go back into ``input`` as they came."""
+    fake.reply = "hmm</think>Call it." + CALL
+    r = sdk.responses.create(model="tiny", input="Weather?", tools=[WEATHER], max_output_tokens=400)
+    assert [o.type for o in r.output] == ["reasoning", "message", "function_call"]
+    items = [{"role": "user", "content": "Weather?"}, *[o.model_dump(exclude_none=True) for o in r.output],
+             {"type": "function_call_output", "call_id": r.output[2].call_id, "output": "sunny"}]
+    fake.reply = "</think>Sunny."
+    r2 = sdk.responses.create(model="tiny", input=items, tools=[WEATHER])
+    assert r2.output_text == "Sunny."
+    assert fake.calls[-1]["messages"] == [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "Call it.", "tool_calls": [{"id": r.output[2].call_id, "type": "function",
+                                                                      "function": {"name": "get_weather",
+                                                                                   "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": r.output[2].call_id}]
