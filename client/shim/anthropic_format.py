@@ -51,6 +51,7 @@ class MessagesTally(TurnTally):
         self.blocks: list[dict] = []
         self.open: dict | None = None
         self._events: list[str] = []
+        self.streaming = False                  # set by start_events (the stream's first call)
         self._started = False
 
     def stop_reason(self) -> str | None:
@@ -94,6 +95,8 @@ class MessagesTally(TurnTally):
             self._close()
 
     def _ev(self, kind: str, **fields) -> None:
+        if not self.streaming:                  # a whole body: the items only, no events to encode
+            return
         self._events.append(f"event: {kind}\ndata: {dumps({'type': kind, **fields})}\n\n")
 
     def _open(self, block: dict, start: dict) -> dict:
@@ -144,6 +147,7 @@ class MessagesTally(TurnTally):
         return events
 
     def start_events(self) -> list[str]:
+        self.streaming = True
         return []                               # message_start goes with the first chunk (add)
 
     def chunk_events(self, index: int, prompt_index: int, chunk) -> list[str]:

@@ -37,6 +37,7 @@ class ResponsesTally(TurnTally):
         self.output: list[dict] = []            # items as built so far
         self.open: dict | None = None           # the item still growing (its events not closed)
         self._events: list[str] = []
+        self.streaming = False                  # set by start_events (the stream's first call)
         self._reported = False
 
     # -- the body -------------------------------------------------------------------------------
@@ -97,6 +98,8 @@ class ResponsesTally(TurnTally):
             self._close()
 
     def _ev(self, kind: str, **fields) -> None:
+        if not self.streaming:                  # a whole body: the items only, no events to encode
+            return
         fields = {"type": kind, "sequence_number": self.seq, **fields}
         self.seq += 1
         self._events.append(f"event: {kind}\ndata: {dumps(fields)}\n\n")
@@ -162,6 +165,7 @@ class ResponsesTally(TurnTally):
 
     # -- the stream -----------------------------------------------------------------------------
     def start_events(self) -> list[str]:
+        self.streaming = True
         self._ev("response.created", response=self.envelope(final=False))
         self._ev("response.in_progress", response=self.envelope(final=False))
         return self._take()
