@@ -1,6 +1,6 @@
 """``/v1/embeddings`` through the whole stack -- the official ``openai`` SDK -> shim -> tritonserver
 (preprocessing, engine) -> the scheduler -- against transformers' pooled hidden states (fp32, 1e-4):
-text, token ids, float and base64, a 64-input batch equal to one by one, bad input as OpenAI 400s
+text, token ids, float and base64, a 64-input batch equal to one by one, bad (and fuzzed) input as OpenAI 4xx
 that disturb nothing, KV idle afterwards, and streamed generations unchanged by embeddings beside them."""
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import numpy as np
 import openai
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.e2e.shim_fixtures import KEY, MODEL, async_sdk, sdk, shim, wait_metric  # noqa: F401 -- fixtures
 
@@ -158,4 +160,28 @@ def test_streamed_generations_unchanged_by_embeddings(async_sdk, shim):
     alone, beside, embeds = asyncio.run(run())
     assert beside == alone
     assert all(len(r.data) == 4 for r in embeds)
+    kv_idle(shim)
+
+
+junk = st.one_of(st.none(), st.booleans(), st.integers(min_value=-(2 ** 70), max_value=2 ** 70),
+                 st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=8),
+                 st.lists(st.integers(min_value=-5, max_value=4000), max_size=4),
+                 st.lists(st.one_of(st.text(max_size=4), st.integers(), st.lists(st.integers(), max_size=2)), max_size=3),
+                 st.dictionaries(st.text(max_size=4), st.integers(), max_size=2))
+
+
+@settings(max_examples=60, deadline=None, database=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+@given(field=st.sampled_from(["input", "encoding_format", "dimensions", "normalize", "model"]), value=junk)
+def test_fuzzed_fields_get_a_4xx_or_a_vector(shim, field, value):
+    body = {"model": MODEL, "input": [3, 4, 5], field: value}
+    r = httpx.post(f"{shim.url}/v1/embeddings", headers={"Authorization": f"Bearer {KEY}"}, json=body, timeout=60)
+    if r.status_code == 200:
+        assert len(r.json()["data"]) >= 1
+    else:
+        assert r.status_code in (400, 404), r.text
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_engine_idle_after_the_fuzz(shim):
     kv_idle(shim)
