@@ -37,6 +37,7 @@ MAGIC = b"LLMKV/2\n"
 NONCE = 32
 TAG = 32
 MAX_HEADER = 64 * 1024
+CHUNK = 256 * 1024                   # payloads are hashed in chunks as they cross (overlaps both sides)
 
 
 class AuthError(TransferError):
@@ -131,27 +132,38 @@ class Channel:
         return out
 
     def send_payload(self, data: memoryview, *, cut_after: int | None = None) -> None:
-        """``cut_after``: fault injection for tests (send that many bytes, then stop)."""
-        mac = self._mac(self.tx_dir, self.tx_seq, b"P", len(data), data).digest()
+        """``cut_after``: fault injection for tests (send that many bytes, then stop). The MAC is
+        computed chunk by chunk as the data goes out, so the peer hashes while this side sends."""
+        data = memoryview(data).cast("B")
+        mac = self._mac(self.tx_dir, self.tx_seq, b"P", len(data), b"")
         self.tx_seq += 1
         _send(self.sock, struct.pack(">Q", len(data)), self.deadline)
-        if cut_after is not None:
-            _send(self.sock, data[:cut_after], self.deadline)
-            return
-        _send(self.sock, data, self.deadline)
-        _send(self.sock, mac, self.deadline)
+        end = len(data) if cut_after is None else min(cut_after, len(data))
+        for i in range(0, end, CHUNK):
+            part = data[i:min(i + CHUNK, end)]
+            mac.update(part)
+            _send(self.sock, part, self.deadline)
+        if cut_after is None:
+            _send(self.sock, mac.digest(), self.deadline)
 
     def recv_payload(self, expect: int, on_alloc=None) -> bytearray:
         """The next payload, which must be exactly ``expect`` bytes: its announced length is
-        checked before anything is allocated (``on_alloc(n)`` is told then), its MAC after."""
+        checked before anything is allocated (``on_alloc(n)`` is told then), its MAC after
+        (hashed chunk by chunk as it arrives)."""
         (n,) = struct.unpack(">Q", recv_exact(self.sock, 8, self.deadline))
         if n != expect:
             raise TransferError(f"payload of {n} bytes, expected {expect}")
         if on_alloc is not None:
             on_alloc(n)
-        buf = recv_exact(self.sock, n, self.deadline)
-        mac = bytes(recv_exact(self.sock, TAG, self.deadline))
-        if not hmac.compare_digest(mac, self._mac(self.rx_dir, self.rx_seq, b"P", n, buf).digest()):
+        buf = bytearray(n)
+        view = memoryview(buf)
+        mac = self._mac(self.rx_dir, self.rx_seq, b"P", n, b"")
+        for i in range(0, n, CHUNK):
+            part = view[i:min(i + CHUNK, n)]
+            recv_exact(self.sock, len(part), self.deadline, into=part)
+            mac.update(part)
+        tag = bytes(recv_exact(self.sock, TAG, self.deadline))
+        if not hmac.compare_digest(tag, mac.digest()):
             raise AuthError("a KV payload failed its MAC (altered on the way)")
         self.rx_seq += 1
         return buf
