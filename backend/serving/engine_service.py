@@ -132,7 +132,7 @@ def build_engine_service(model_dir: str, params: dict[str, str], *, metrics_fact
         metrics = ServingMetrics(metrics_factory, stats=loop.stats, healthy=lambda: loop.healthy,
                                  labels=labels)
         if args.role != "unified":
-            from backend.serving.disagg_engine import RoleMetrics
+            from backend.serving.disagg_metrics import RoleMetrics
 
             metrics.role_metrics = RoleMetrics(metrics_factory, engine, labels)
     service = EngineService(loop, max_model_len=engine.max_model_len, metrics=metrics,
