@@ -9,17 +9,16 @@ when its engine option ``role`` is ``prefill`` or ``decode``.
     role=decode    DecodeLoop(DecodeEngine)   a request carrying parameter ``handover`` (the record)
                    is admitted through DecodeRole: its prompt's KV is fetched into this pool (blocks
                    already cached here are not), or recomputed if the transfer fails, and it
-                   streams from the first token. A request without a record runs as on a unified
-                   engine.
+                   streams from the first token (the record is validated on intake: a bad one is
+                   a 400). A request without a record runs as on a unified engine.
 
 Both wrappers look like an LLMEngine to EngineLoop (``step``, ``add_request``, ``abort_request``,
 ``has_unfinished``; everything else is the engine's), so the loop, intake and response thread are
 the unified ones. Aborts: the prefill engine aborts a request it holds, and for one it has already
 handed over releases the staged KV (the front sends the abort to both servers while a hand-over is
 in flight); the decode engine aborts a record not admitted yet (its staged KV released) or the
-running request. Staged transfers nobody fetches expire after ``kv_staged_ttl_s``.
-
-Their metrics: ``RoleMetrics`` (backend/serving/disagg_metrics.py).
+running request. Staged transfers nobody fetches expire after ``kv_staged_ttl_s``. Metrics:
+``RoleMetrics`` (backend/serving/disagg_metrics.py).
 """
 from __future__ import annotations
 
@@ -40,6 +39,7 @@ from backend.disagg.prefill import PrefillRole
 from backend.disagg.trace import StepTrace
 from backend.engine.admission import duplicate_id
 from backend.engine.engine_loop import EngineLoop, set_thread_nice
+from backend.serving.disagg_metrics import mute_metrics
 from backend.errors import invalid_request
 from backend.outputs import StepDelta
 
@@ -139,8 +139,8 @@ def apply_knobs(knobs: dict) -> None:
             rt = getattr(getattr(t, "_target", None), "__self__", None)
             if t.name == "llm-responses" and hasattr(rt, "senders"):
                 rt.senders = max(0, int(knobs["response_senders"]))
-    if "metrics_ipc" in knobs:                  # A/B only: 0 = no metric IPC from this stub (see _mute_metrics)
-        _mute_metrics(not int(knobs["metrics_ipc"]))
+    if "metrics_ipc" in knobs:                  # A/B only: 0 = no metric IPC from this stub (see mute_metrics)
+        mute_metrics(not int(knobs["metrics_ipc"]))
     if "offcore" in knobs:                      # A/B only: these threads (OS names, '/') off the engine's cpus
         mine = os.sched_getaffinity(0)              # the engine thread's
         other = set(range(os.cpu_count() or 1)) - mine or mine
@@ -163,42 +163,7 @@ def apply_knobs(knobs: dict) -> None:
     log.warning("decode knobs now %s (switch interval %.4f s)", knobs, sys.getswitchinterval())
 
 
-class _NoMetric:
-    def observe(self, *_a) -> None: ...
-    def increment(self, *_a) -> None: ...
-    def set(self, *_a) -> None: ...
-
-
-_muted: dict = {}
 _OFFCORE_SEEN: set = set()
-
-
-def _mute_metrics(mute: bool) -> None:
-    """Bench A/B: replace (or put back) every metric object of this stub's metrics threads with a
-    no-op. Each pb_utils metric call is an IPC round trip to tritonserver that holds the GIL
-    while it waits (the Python backend's Metric binding does not release it), once per streamed
-    token for the ITL histogram."""
-    for t in threading.enumerate():
-        owner = getattr(getattr(t, "_target", None), "__self__", None)
-        if owner is None or t.name not in ("llm-metrics", "llm-disagg-metrics"):
-            continue
-        for attr in ("_hist", "_gauge", "_stat_counter", "_finished", "_rejected", "_counters", "_outcomes",
-                     "_depth", "_staged"):
-            d = getattr(owner, attr, None)
-            key = (id(owner), attr)
-            if d is None:
-                continue
-            if mute and key not in _muted:
-                if isinstance(d, dict):
-                    _muted[key] = dict(d)
-                    for k in d:
-                        d[k] = _NoMetric()
-                else:
-                    _muted[key] = d
-                    setattr(owner, attr, _NoMetric())
-            elif not mute and key in _muted:
-                old = _muted.pop(key)
-                d.update(old) if isinstance(d, dict) else setattr(owner, attr, old)
 
 
 ADMIT_PER_STEP = 2                  # hand-overs admitted per decode step while streams are running

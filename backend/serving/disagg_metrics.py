@@ -94,3 +94,41 @@ class RoleMetrics:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(2.0)
+
+
+# -- bench A/B (backend/disagg/trace.py knobs: apply_knobs in disagg_engine.py) ---------------------
+class _NoMetric:
+    def observe(self, *_a) -> None: ...
+    def increment(self, *_a) -> None: ...
+    def set(self, *_a) -> None: ...
+
+
+_muted: dict = {}
+
+
+def mute_metrics(mute: bool) -> None:
+    """Bench A/B: replace (or put back) every metric object of this stub's metrics threads with a
+    no-op. Each pb_utils metric call is an IPC round trip to tritonserver that holds the GIL
+    while it waits (the Python backend's Metric binding does not release it), once per streamed
+    token for the ITL histogram."""
+    for t in threading.enumerate():
+        owner = getattr(getattr(t, "_target", None), "__self__", None)
+        if owner is None or t.name not in ("llm-metrics", "llm-disagg-metrics"):
+            continue
+        for attr in ("_hist", "_gauge", "_stat_counter", "_finished", "_rejected", "_counters", "_outcomes",
+                     "_depth", "_staged"):
+            d = getattr(owner, attr, None)
+            key = (id(owner), attr)
+            if d is None:
+                continue
+            if mute and key not in _muted:
+                if isinstance(d, dict):
+                    _muted[key] = dict(d)
+                    for k in d:
+                        d[k] = _NoMetric()
+                else:
+                    _muted[key] = d
+                    setattr(owner, attr, _NoMetric())
+            elif not mute and key in _muted:
+                old = _muted.pop(key)
+                d.update(old) if isinstance(d, dict) else setattr(owner, attr, old)
