@@ -126,50 +126,13 @@ static void atile_##R##_##T(const float *x, int64_t K, const uint16_t *w, int64_
 DEFINE_ATILE(4, 1) DEFINE_ATILE(4, 2) DEFINE_ATILE(3, 3) DEFINE_ATILE(2, 4)
 DEFINE_ATILE(1, 1) DEFINE_ATILE(1, 2) DEFINE_ATILE(1, 3) DEFINE_ATILE(1, 4)
 
-/* M = 1: 8 rows, two adjacent ones from each of the STREAMS parts (still 4 streams): 8 independent
- * FMA chains, where a 4-row tile's 4 chains of 2 dependent FMAs per 16 k bound the rate by FMA
- * latency, not by the weights' bandwidth. Per output the same FMAs as every tile above. */
-static void agemv_8(const float *x, int64_t K, const uint16_t *w, int64_t g, const float *bias,
-                    float *y, int acc, const uint16_t *pf) {
-#define OFF(r) (((r) >> 1) * g + ((r) & 1))
-    __m256 a[8];
-    for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();
-    const __m256i z = _mm256_setzero_si256();
-    const int64_t kb = K & ~(int64_t)15;
-    for (int64_t k = 0; k < kb; k += 16) {
-        if (pf && (k & 31) == 0)
-            for (int r = 0; r < 8; r += 2) __builtin_prefetch(pf + OFF(r) * K + k);
-        const __m256 xl = _mm256_loadu_ps(x + k), xh = _mm256_loadu_ps(x + k + 8);
-        for (int r = 0; r < 8; r++) {
-            const __m256i raw = _mm256_loadu_si256((const __m256i *)(w + OFF(r) * K + k));
-            a[r] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(z, raw)), xl, a[r]);
-            a[r] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(z, raw)), xh, a[r]);
-        }
-    }
-    for (int r = 0; r < 8; r++) {
-        const uint16_t *wr = w + OFF(r) * K;
-        float s = hsum8(a[r]);
-        for (int64_t i = kb; i < K; i++) s = fmaf(bf16_f32(wr[i]), x[i], s);
-        if (bias) s += bias[OFF(r)];
-        float *o = y + OFF(r);
-        *o = acc ? *o + s : s;
-    }
-#undef OFF
-}
-
 /* Rows [n0, n1) of y [M, N] (+)= xr [M, K] W^T + bias, W bf16 [N, K], xr from bf16_avx2_inputs:
  * up to 4 input rows per tile (4x1, 4x2, 3x3 + 1x3, 2x4 + 2x4: at most 13 of AVX2's 16 registers
  * live per half-block), the < STREAMS rows left one at a time. */
 void bf16_avx2_rows(const float *x, int64_t M, int64_t K, const uint16_t *W, const float *bias, int64_t N,
                     float *y, int acc, int64_t n0, int64_t n1) {
     const int64_t g = (n1 - n0) / STREAMS;
-    int64_t i = 0;
-    if (M == 1)
-        for (; i + 2 <= g; i += 2) {
-            const uint16_t *w = W + (n0 + i) * K;
-            agemv_8(x, K, w, g, bias ? bias + n0 + i : NULL, y + n0 + i, acc, i + 4 <= g ? w + 2 * K : NULL);
-        }
-    for (; i < g; i++) {
+    for (int64_t i = 0; i < g; i++) {
         const int64_t n = n0 + i;
         const uint16_t *w = W + n * K, *pf = i + 1 < g ? w + K : NULL;
         const float *b = bias ? bias + n : NULL;
