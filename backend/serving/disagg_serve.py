@@ -9,10 +9,8 @@ between them with client/disagg_client.py (docs/disaggregation.md).
                     one is given, so the TCP connector is authenticated (docs/disaggregation.md)
 
 ``DisaggServers`` is the reusable part (tests and backend/disagg/bench_stack.py start the pair with
-it); ``pin_tree`` / ``sched_tree`` set the CPU affinity / scheduling policy and nice value of a
-process and every thread of it and of its children (tritonserver, its Python stubs and their torch
-threads); ``apply_layout`` places the pair on two CPU sets (default ``isolate``: the decode engine
-alone on its CPUs, docs/disaggregation.md "CPU layout").
+it); where its threads run is backend/serving/disagg_layout.py (``apply_layout``, default
+``isolate``: the decode engine alone on its CPUs, docs/disaggregation.md "CPU layout").
 """
 from __future__ import annotations
 
@@ -25,6 +23,8 @@ import sys
 import tempfile
 import threading
 
+from backend.serving.disagg_layout import LAYOUTS, apply_layout, parse_cpus
+from backend.serving.disagg_layout import pin_tree, sched_tree, tree_pids  # noqa: F401 - bench_stack imports them here
 from backend.serving.tritonserver import ServerStartError, TritonServer
 
 
@@ -39,183 +39,6 @@ def add_arguments(sv: argparse.ArgumentParser) -> None:
                          "front ends + shim + prefill engine (nice 19) on the prefill CPUs; split: the same "
                          "but the decode front end and shim free; stubs: only the engines pinned; tree: each "
                          "server's whole process tree pinned (docs/disaggregation.md)")
-
-
-def parse_cpus(spec: str | None) -> tuple[set[int], set[int]] | None:
-    """"0:1" / "0-1:2,3" -> ({0}, {1}) / ({0, 1}, {2, 3}); "auto": this process's CPUs halved
-    (None with fewer than 2); None / "" / "none" -> None."""
-    if not spec or spec == "none":
-        return None
-    if spec == "auto":
-        mine = sorted(os.sched_getaffinity(0))
-        if len(mine) < 2:
-            return None
-        half = len(mine) // 2
-        return set(mine[:half]), set(mine[half:])
-
-    def one(part: str) -> set[int]:
-        out: set[int] = set()
-        for item in part.split(","):
-            a, _, b = item.partition("-")
-            out.update(range(int(a), int(b or a) + 1))
-        return out
-
-    try:
-        pre, dec = spec.split(":")
-        return one(pre), one(dec)
-    except ValueError:
-        raise ValueError(f"--disagg-cpus must look like PREFILL:DECODE, e.g. 0:1 (got {spec!r})") from None
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                out += [int(c) for c in f.read().split()]
-        except OSError:
-            pass
-    return out
-
-
-def tree_pids(roots: list[int]):
-    """Each live process of ``roots`` and of their descendants, once."""
-    todo, seen = list(roots), set()
-    while todo:
-        p = todo.pop()
-        if p in seen:
-            continue
-        seen.add(p)
-        yield p
-        try:
-            todo += _children(p)
-        except OSError:                 # gone meanwhile
-            pass
-
-
-def tree_tids(pid: int, *, include_root: bool = True, descendants: bool = True) -> list[int]:
-    """Every thread id of ``pid`` (``include_root``) and of its descendants (``descendants``)."""
-    if include_root:
-        procs = tree_pids([pid]) if descendants else [pid]
-    else:
-        procs = tree_pids(_children(pid)) if descendants else []
-    out: list[int] = []
-    for p in procs:
-        try:
-            out += [int(t) for t in os.listdir(f"/proc/{p}/task")]
-        except OSError:
-            continue
-    return out
-
-
-def pin_tree(pid: int, cpus: set[int], *, include_root: bool = True, descendants: bool = True) -> int:
-    """Pin every thread of ``pid`` and of its descendants to ``cpus``; returns threads pinned.
-    ``include_root=False`` pins only the descendants (tritonserver's Python stubs, where the engine
-    runs), leaving tritonserver's own front-end threads free to run on any core;
-    ``descendants=False`` only the root's own threads. Threads created later inherit it."""
-    n = 0
-    for tid in tree_tids(pid, include_root=include_root, descendants=descendants):
-        try:
-            os.sched_setaffinity(tid, cpus)
-            n += 1
-        except OSError:
-            pass
-    return n
-
-
-def sched_tree(pid: int, *, nice: int = 0, policy: int = os.SCHED_OTHER, include_root: bool = True,
-               descendants: bool = True) -> int:
-    """Set the scheduling policy (SCHED_OTHER / SCHED_BATCH / SCHED_IDLE) and nice value of every
-    thread of the tree (Linux: both are per thread and inherited by new threads). Best effort: a
-    negative nice needs CAP_SYS_NICE and is skipped without it. Returns threads changed."""
-    n = 0
-    for tid in tree_tids(pid, include_root=include_root, descendants=descendants):
-        try:
-            os.sched_setscheduler(tid, policy, os.sched_param(0))
-        except OSError:
-            pass
-        try:
-            os.setpriority(os.PRIO_PROCESS, tid, nice)
-            n += 1
-        except OSError:
-            pass
-    return n
-
-
-def pin_named(pid: int, names: tuple[str, ...], cpus: set[int]) -> int:
-    """Pin the threads of ``pid``'s descendants whose OS name (comm) is one of ``names``."""
-    n = 0
-    for tid in tree_tids(pid, include_root=False):
-        try:
-            with open(f"/proc/{tid}/comm") as f:
-                if f.read().strip() not in names:
-                    continue
-            os.sched_setaffinity(tid, cpus)
-            n += 1
-        except OSError:
-            pass
-    return n
-
-
-# decode-stub threads that do no token-path work and whose work is GIL-free (memcpy, page faults,
-# munmap): on the prefill CPUs under isolate / idle / split, so that they never take the decode
-# engine's core (backend/disagg/placer.py KVPlacer: a hand-over's fetch + KV write)
-OFF_DECODE_THREADS = ("kv-admit",)
-
-LAYOUTS = ("isolate", "idle", "split", "stubs", "tree")
-PREFILL_NICE = 19            # isolate / split: the prefill engine yields its core at once
-TOKEN_PATH_NICE = -10        # isolate / split: the decode server, the prefill front end and ``others``
-
-
-def apply_layout(pair: "DisaggServers", layout: str, cpus: tuple[set[int], set[int]],
-                 others: tuple[int, ...] = ()) -> None:
-    """Place the pair's processes on ``cpus`` = (prefill cpus, decode cpus); re-appliable (every
-    thread is first reset to both cpu sets, SCHED_OTHER, nice 0).
-
-    isolate (default) the decode engine (the decode server's Python stubs) ALONE on the decode
-            cpus; everything else -- both tritonserver front ends, the prefill engine and
-            ``others`` (the shim, a bench client) -- on the prefill cpus, the prefill engine at
-            SCHED_BATCH / nice 19 so that the front ends, which carry every token to the client,
-            preempt it at once. The token path (decode server, prefill front end, ``others``) at
-            nice -10 where allowed (CAP_SYS_NICE), against other jobs on the host. Measured: the
-            lowest ITL p99 and p99/p50 (2.0-2.7 x), at ~1.4 x the median of ``stubs``. The decode
-            stub's hand-over copy thread (``OFF_DECODE_THREADS``) goes to the prefill cpus too
-            (isolate, idle, split).
-    idle    isolate with the prefill engine at SCHED_IDLE (any waking thread preempts it; it
-            runs only on otherwise idle time of its cpus, so other jobs on the host starve it)
-    split   isolate, but the decode front end and ``others`` free on all cpus (a response from
-            the decode engine is a synchronous hand-off to the front end, so it may run at once on
-            whichever core is free); measured: median between isolate and stubs, p99 erratic
-    stubs   each server's stubs (engine) on its cpus, tritonserver's front ends and ``others`` free
-    tree    each server's whole process tree on its cpus (front end included)
-    """
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)} (got {layout!r})")
-    pre, dec = cpus
-    both = pre | dec
-    roots = [s.proc.pid for s in pair.servers] + list(others)
-    for pid in roots:
-        pin_tree(pid, both)
-        sched_tree(pid)
-    if layout == "stubs":
-        pin_tree(pair.prefill.proc.pid, pre, include_root=False)
-        pin_tree(pair.decode.proc.pid, dec, include_root=False)
-    elif layout == "tree":
-        pin_tree(pair.prefill.proc.pid, pre)
-        pin_tree(pair.decode.proc.pid, dec)
-    else:
-        pin_tree(pair.prefill.proc.pid, pre)
-        if layout in ("isolate", "idle"):
-            pin_tree(pair.decode.proc.pid, pre, descendants=False)   # decode front end
-            for pid in others:
-                pin_tree(pid, pre)
-        pin_tree(pair.decode.proc.pid, dec, include_root=False)       # decode engine
-        pin_named(pair.decode.proc.pid, OFF_DECODE_THREADS, pre)      # its hand-over KV copies
-        sched_tree(pair.decode.proc.pid, nice=TOKEN_PATH_NICE)
-        for pid in [pair.prefill.proc.pid, *others]:
-            sched_tree(pid, nice=TOKEN_PATH_NICE, descendants=pid != pair.prefill.proc.pid)
-        sched_tree(pair.prefill.proc.pid, nice=PREFILL_NICE, include_root=False,
-                   policy=os.SCHED_IDLE if layout == "idle" else os.SCHED_BATCH)
 
 
 class DisaggServers:

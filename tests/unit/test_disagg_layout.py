@@ -1,4 +1,4 @@
-"""CPU layouts of the disaggregated pair (backend/serving/disagg_serve.py apply_layout), on real
+"""CPU layouts of the disaggregated pair (backend/serving/disagg_layout.py apply_layout), on real
 process trees standing in for the two tritonservers (a root process with one child = its stub)."""
 import os
 import subprocess
@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from backend.serving.disagg_serve import (LAYOUTS, _children, apply_layout, parse_cpus, sched_tree,
+from backend.serving.disagg_layout import (LAYOUTS, _children, apply_layout, parse_cpus, sched_tree,
                                           tree_tids)
 
 pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
