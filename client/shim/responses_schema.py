@@ -8,7 +8,7 @@ file input) are a 400 naming the field, never silently dropped. Accepted and wit
 ``metadata``, ``user``, ``safety_identifier``, ``prompt_cache_key``, ``service_tier``,
 ``truncation``, ``include``, ``reasoning`` (the model decides how much it thinks), ``max_tool_calls``,
 ``stream_options``. vLLM-style extras: ``top_k``, ``min_p``, ``seed``, penalties, ``priority``,
-``include_reasoning``, ``guided_regex``.
+``include_reasoning``, ``guided_regex``, ``ignore_eos``, ``min_tokens``.
 """
 from __future__ import annotations
 
@@ -63,6 +63,8 @@ class ResponsesRequest(BaseModel):
     priority: int | None = Field(None, ge=L.PRIORITY_MIN, le=L.PRIORITY_MAX)
     include_reasoning: bool = True
     guided_regex: str | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = Field(None, ge=0, le=L.INT64_MAX)
     # refused with a 400 naming them when given (check_supported)
     conversation: Any = None
     prompt: Any = None
@@ -204,7 +206,7 @@ def to_chat(body: ResponsesRequest, history: list[dict]) -> tuple[ChatCompletion
                             "parallel_tool_calls": body.parallel_tool_calls,
                             "response_format": chat_response_format(body.text)}
     for name in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
-                 "frequency_penalty", "repetition_penalty", "priority", "guided_regex"):
+                 "frequency_penalty", "repetition_penalty", "priority", "guided_regex", "ignore_eos", "min_tokens"):
         chat[name] = getattr(body, name)
     try:
         return ChatCompletionRequest(**{k: v for k, v in chat.items() if v is not None}), conversation

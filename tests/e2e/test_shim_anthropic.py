@@ -103,3 +103,19 @@ def test_bad_requests_get_anthropic_errors_and_the_engine_stays_idle(shim, heade
     assert got["error"]["type"] == kind and isinstance(got["error"]["message"], str) and got["error"]["message"]
     assert wait_metric(shim.metrics_url, "llm_kv_cache_usage_ratio", lambda v: v == 0, timeout=30) == 0
     assert wait_metric(shim.metrics_url, "llm_num_requests_running", lambda v: v == 0, timeout=30) == 0
+
+
+def test_stream_disconnect_aborts_and_frees_kv(shim, sdk):
+    from tests.e2e.test_shim_abort import assert_aborted_and_freed, idle
+
+    ask = [{"role": "user", "content": "go on forever"}]
+    long = sdk.chat.completions.create(model=MODEL, messages=ask, max_tokens=900, temperature=0.0)
+    assert long.choices[0].finish_reason == "length"        # greedy: this prompt runs all 900 tokens
+    before = idle(shim.metrics_url)
+    body = {"model": MODEL, "max_tokens": 900, "messages": ask, "stream": True, "temperature": 0.0}
+    with httpx.stream("POST", shim.url + "/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        assert any("text_delta" in next(lines) for _ in range(12))
+        assert wait_metric(shim.metrics_url, "llm_kv_cache_usage_ratio", lambda v: v > 0, timeout=60) > 0
+    assert_aborted_and_freed(shim.metrics_url, before)

@@ -142,3 +142,17 @@ def test_bad_bodies_are_openai_400s_and_the_engine_stays_idle(shim, body, param)
         assert err["param"] == param, err
     assert wait_metric(shim.metrics_url, "llm_kv_cache_usage_ratio", lambda v: v == 0, timeout=30) == 0
     assert wait_metric(shim.metrics_url, "llm_num_requests_running", lambda v: v == 0, timeout=30) == 0
+
+
+def test_stream_disconnect_aborts_and_frees_kv(shim):
+    from tests.e2e.test_shim_abort import assert_aborted_and_freed, idle
+
+    before = idle(shim.metrics_url)
+    body = {"model": MODEL, "input": "go on forever", "stream": True, "max_output_tokens": 900, "ignore_eos": True}
+    with httpx.stream("POST", shim.url + "/v1/responses", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        assert any("response.output_text.delta" in next(lines) for _ in range(30))
+        assert wait_metric(shim.metrics_url, "llm_kv_cache_usage_ratio", lambda v: v > 0, timeout=60) > 0
+    assert_aborted_and_freed(shim.metrics_url, before)       # the connection was closed above
