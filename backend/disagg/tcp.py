@@ -14,9 +14,9 @@ the client to connect beyond it. Transfer ids are 128 random bits; a transfer is
 its owner (an owner tag: a digest of the staging request's salt) and is otherwise "unknown" and
 stays staged. The decode side checks a locator against its pool's geometry before connecting,
 and the announced payload size against it before allocating. The server runs ``workers`` handler
-threads with ``backlog`` more connections waiting (any beyond are closed at once), each
-connection under one overall deadline (``timeout``), and its accept loop survives a failed
-thread start. A staged transfer is dropped once fetched or released; ``max_staged_bytes`` bounds
+threads, all started with it (the accept loop starts none, and survives any failure handing a
+connection over), with ``backlog`` more connections waiting (any beyond are closed at once), each
+connection under one overall deadline (``timeout``). A staged transfer is dropped once fetched or released; ``max_staged_bytes`` bounds
 what an unresponsive decode side can pin on the prefill host (staging past it raises, and the
 request is then recomputed on the decode side).
 """
@@ -26,7 +26,7 @@ import hmac
 import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+import queue
 
 import torch
 
@@ -55,8 +55,8 @@ class TcpConnector(KVConnector):
         self._staged_bytes = 0
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
-        self._pool: ThreadPoolExecutor | None = None
-        self._slots = threading.BoundedSemaphore(workers + backlog)
+        self._conns: queue.SimpleQueue = queue.SimpleQueue()     # accepted, for the workers
+        self._slots = threading.Semaphore(workers + backlog)     # connections held at once
 
     @property
     def _key(self) -> bytes:
@@ -72,8 +72,9 @@ class TcpConnector(KVConnector):
                                  "secret (engine option kv_secret_file); bind 127.0.0.1 or give one")
             sock = socket.create_server((self.host, self.port))
             self.port = sock.getsockname()[1]
-            self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="kv-tcp-worker")
             self._sock = sock
+            for i in range(self.workers):           # all started here: the accept loop starts none
+                threading.Thread(target=self._worker, name=f"kv-tcp-worker-{i}", daemon=True).start()
             self._thread = threading.Thread(target=self._accept_loop, args=(sock,), name="kv-tcp-server", daemon=True)
             self._thread.start()
         return self.host, self.port
@@ -102,7 +103,6 @@ class TcpConnector(KVConnector):
 
     def _accept_loop(self, sock: socket.socket) -> None:
         # Its own reference: close() may drop self._sock before this thread first reaches accept().
-        pool = self._pool
         while True:
             try:
                 conn, _ = sock.accept()
@@ -116,11 +116,24 @@ class TcpConnector(KVConnector):
                 conn.close()
                 continue
             try:
-                pool.submit(self._handle, conn)
-            except BaseException:                         # noqa: BLE001 - can't start new thread, shut down
+                self._dispatch(conn)
+            except BaseException:                         # noqa: BLE001 - whatever it was, keep accepting
                 self._slots.release()
                 self._count(refused=1)
                 conn.close()
+
+    def _dispatch(self, conn: socket.socket) -> None:
+        self._conns.put(conn)
+
+    def _worker(self) -> None:
+        while True:
+            conn = self._conns.get()
+            if conn is None:
+                return
+            try:
+                self._handle(conn)
+            except BaseException:                         # noqa: BLE001 - a worker never dies of one peer
+                pass
 
     def _handle(self, conn: socket.socket) -> None:
         try:
@@ -247,8 +260,8 @@ class TcpConnector(KVConnector):
             except OSError:
                 pass
             sock.close()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            for _ in range(self.workers):
+                self._conns.put(None)                     # the workers end once their peer is done
         with self._lock:
             self._staged.clear()
             self._staged_at.clear()

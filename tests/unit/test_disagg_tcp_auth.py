@@ -226,11 +226,11 @@ def test_a_failed_thread_start_does_not_end_the_accept_loop(server, monkeypatch)
     def no_thread(*a, **k):
         raise RuntimeError("can't start new thread")
 
-    monkeypatch.setattr(server._pool, "submit", no_thread)
+    monkeypatch.setattr(server, "_dispatch", no_thread)        # handing the connection over fails
     with socket.create_connection((host, port)) as s:
         assert _closed_by_peer(s)
     monkeypatch.undo()
-    assert server._thread.is_alive()
+    assert server._thread.is_alive() and server.stats().refused == 1
     assert torch.equal(TcpConnector(secret=KEY).fetch(loc, 0, 5), BLOCKS)
 
 
