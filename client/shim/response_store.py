@@ -23,7 +23,8 @@ from dataclasses import dataclass
 @dataclass
 class StoredResponse:
     messages: list[dict]            # the conversation up to and including this response's output
-    size: int                       # bytes of the messages' JSON (what the bound counts)
+    body: dict | None               # the response object itself (GET /v1/responses/{id})
+    size: int                       # bytes of both as JSON (what the bounds count)
 
 
 class ResponseStore:
@@ -35,9 +36,10 @@ class ResponseStore:
         self._bytes: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def put(self, tenant: str, response_id: str, messages: list[dict]) -> bool:
-        """Keep ``messages`` under ``response_id``; False if one response alone is over the bound."""
-        size = len(json.dumps(messages, ensure_ascii=False).encode())
+    def put(self, tenant: str, response_id: str, messages: list[dict], body: dict | None = None) -> bool:
+        """Keep ``messages`` (and the response ``body``) under ``response_id``; False if one response
+        alone is over the bound."""
+        size = len(json.dumps([messages, body], ensure_ascii=False).encode())
         if size > min(self.max_bytes, self.max_total_bytes):
             return False
         with self._lock:
@@ -49,7 +51,7 @@ class ResponseStore:
             old = items.pop(response_id, None)
             if old is not None:
                 self._bytes[tenant] -= old.size
-            items[response_id] = StoredResponse(messages, size)
+            items[response_id] = StoredResponse(messages, body, size)
             self._bytes[tenant] += size
             while len(items) > self.max_items or self._bytes[tenant] > self.max_bytes:
                 _, gone = items.popitem(last=False)
@@ -72,6 +74,11 @@ class ResponseStore:
                 return None
             items.move_to_end(response_id)
             return [dict(m) for m in items[response_id].messages]
+
+    def body(self, tenant: str, response_id: str) -> dict | None:
+        with self._lock:
+            found = self._tenants.get(tenant, {}).get(response_id)
+            return None if found is None else found.body
 
     def delete(self, tenant: str, response_id: str) -> bool:
         with self._lock:

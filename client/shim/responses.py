@@ -39,13 +39,22 @@ async def create_response(body: ResponsesRequest, request: Request, key: KeyPoli
     chat, conversation = to_chat(body, history)
     rid = f"resp_{uuid.uuid4().hex}"
 
-    def keep(turn) -> None:
+    def keep(turn, response: dict) -> None:
         if body.store is not False:
-            store.put(key.tenant, rid, conversation + [assistant_message(turn)])
+            store.put(key.tenant, rid, conversation + [assistant_message(turn)], response)
 
     tally = ResponsesTally(request_id=rid, body=body, reasoning=parses_reasoning(state.settings.reasoning_parser, chat),
                            tools=parses_tool_calls(chat), on_done=keep)
     return await respond_chat(request, key, chat, tally, body.param_names(), "input")
+
+
+@router.get("/v1/responses/{response_id}")
+async def get_response(response_id: str, request: Request, key: KeyPolicy = Depends(authenticated)):
+    body = request.app.state.response_store.body(key.tenant, response_id)
+    if body is None:
+        raise OpenAIError(404, f"No response with id '{response_id}' found.", "invalid_request_error",
+                          "response_id", "not_found")
+    return body
 
 
 @router.delete("/v1/responses/{response_id}")

@@ -75,8 +75,7 @@ class ResponsesTally(TurnTally):
                 "total_tokens": u["total_tokens"]}
 
     def response(self) -> dict:
-        self._report()
-        return self.envelope(final=True)
+        return self._report()
 
     def _done_item(self, item: dict) -> dict:
         item = dict(item, status="incomplete" if self.finish_reason == "length" else "completed")
@@ -84,10 +83,13 @@ class ResponsesTally(TurnTally):
             item["content"] = [dict(p) for p in item["content"]]
         return item
 
-    def _report(self) -> None:
+    def _report(self) -> dict:
+        """The final body; the first time, handed to ``on_done`` with the turn (to be stored)."""
+        body = self.envelope(final=True)
         if not self._reported and self.on_done is not None and self.done:
             self._reported = True
-            self.on_done(self.turn)
+            self.on_done(self.turn, body)
+        return body
 
     # -- items, built from parts (events kept for the stream) ---------------------------------
     def add(self, index: int, prompt_index: int, chunk) -> None:
@@ -180,8 +182,7 @@ class ResponsesTally(TurnTally):
 
     def end_events(self) -> list[str]:
         self._close()
-        self._report()
-        final = self.envelope(final=True)
+        final = self._report()
         self._ev("response.completed" if final["status"] == "completed" else "response.incomplete",
                  response=final)
         return self._take()

@@ -64,6 +64,8 @@ def test_streamed_events_rebuild_the_response(sdk):
     final = events[-1].response
     assert final.output_text == whole.output_text and final.usage.output_tokens == whole.usage.output_tokens
     assert final.output[0].id == events[2].item.id                      # the streamed item is the body's
+    kept = sdk.responses.retrieve(final.id)                              # a streamed response is stored too
+    assert kept.output_text == whole.output_text and kept.output[0].id == final.output[0].id
 
 
 def test_json_schema_through_the_grammar(sdk):

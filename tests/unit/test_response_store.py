@@ -10,8 +10,8 @@ def msgs(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
 
 
-def size(m: list[dict]) -> int:
-    return len(json.dumps(m, ensure_ascii=False).encode())
+def size(m: list[dict], body: dict | None = None) -> int:
+    return len(json.dumps([m, body], ensure_ascii=False).encode())
 
 
 def test_count_bound_drops_the_least_recently_used():
@@ -65,3 +65,11 @@ def test_total_bytes_bound_takes_from_the_least_recently_active_tenant():
     assert s.get("acme", "a1") is None and s.get("acme", "a2") is not None
     s.put("globex", "g3", msgs("x" * 100))              # over again: acme's last one, then acme is gone
     assert s.stats("acme") == (0, 0) and s.stats("globex") == (3, 3 * one)
+
+
+def test_the_body_is_kept_and_counted():
+    s = ResponseStore()
+    body = {"id": "r", "object": "response", "output": [{"type": "message"}]}
+    s.put("t", "r", msgs("a"), body)
+    assert s.body("t", "r") == body and s.body("u", "r") is None
+    assert s.stats("t") == (1, size(msgs("a"), body))

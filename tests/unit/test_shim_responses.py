@@ -94,7 +94,11 @@ def test_function_call_round_trip_and_previous_response_id(sdk, fake):
     assert fake.calls[-1]["messages"][0] == {"role": "system", "content": "Short."}
     assert fake.calls[-1]["messages"][-2:] == [{"role": "assistant", "content": "It is sunny."},
                                                {"role": "user", "content": "Thanks"}]
+    got = sdk.responses.retrieve(r2.id)                       # the stored body, as it was answered
+    assert got.id == r2.id and got.output_text == r2.output_text and got.usage == r2.usage
     other = openai.OpenAI(base_url=str(sdk.base_url), api_key="sk-other", max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        other.responses.retrieve(r2.id)
     with pytest.raises(openai.BadRequestError) as e:          # another tenant's id is not found
         other.responses.create(model="tiny", previous_response_id=r3.id, input="x")
     assert e.value.body["param"] == "previous_response_id"
