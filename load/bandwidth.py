@@ -4,11 +4,16 @@
 
 Probe: the sum of a ``--gib`` GiB fp32 torch tensor (far beyond the last-level cache), best of
 ``--reps`` after one warm-up, with 1 thread and with every core (``torch.set_num_threads``); bytes
-read / seconds, printed in GB/s (1e9 bytes). A decode at 1 stream reads each weight matrix once per
-token, so per model it prints the weight bytes of one decode token in fp32 and bf16 (every linear
-and the lm_head; the embedding table only where it is the lm_head too, tied: a decode reads one row
-of it otherwise) and the tok/s that the best bandwidth would allow. A measured tok/s x bytes per
-token / bandwidth is the share of the limit a decode reaches (docs/benchmarks.md).
+read / seconds, printed in GB/s (1e9 bytes). That is one sequential stream per thread; a core can
+read more with several streams side by side, as the fused step's tiles do (4 weight rows from 4
+parts of the matrix), so a second column, "gemv GB/s", times the fused step's own fp32 GEMV
+(``linear_f32`` at M = 1) over a matrix of the same size: the most a decode's weight reads get.
+
+A decode at 1 stream reads each weight matrix once per token, so per model it prints the weight
+bytes of one decode token in fp32 and bf16 (every linear and the lm_head; the embedding table only
+where it is the lm_head too, tied: a decode reads one row of it otherwise) and the tok/s that the
+best bandwidth of both probes would allow. A measured tok/s x bytes per token / bandwidth is the
+share of the limit a decode reaches (docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -42,6 +47,27 @@ def read_gbps(threads: int, gib: float = 1.0, reps: int = 5) -> float:
     return n * 4 / best / 1e9
 
 
+def gemv_gbps(threads: int, gib: float = 1.0, reps: int = 5) -> float | None:
+    """GB/s of the fused step's fp32 GEMV (1 x K times a ``gib`` GiB [N, K] matrix), or None
+    without the C library."""
+    from kernels.cpu import decode_library
+
+    lib = decode_library()
+    if lib is None:
+        return None
+    k = 1024
+    n = int(gib * (1 << 30)) // 4 // k
+    w, x, y = torch.ones(n, k), torch.ones(1, k), torch.empty(1, n)
+    best = float("inf")
+    for rep in range(reps + 1):                           # the first is a warm-up
+        t0 = time.perf_counter()
+        lib.linear_f32(x.data_ptr(), 1, k, w.data_ptr(), None, n, y.data_ptr(), 0, threads)
+        if rep:
+            best = min(best, time.perf_counter() - t0)
+    assert y.min().item() == k                            # every row was read
+    return n * k * 4 / best / 1e9
+
+
 def decode_weight_elems(model_dir: pathlib.Path) -> int:
     """Weight elements a decode token reads: every 2-D tensor but an untied embedding table."""
     from safetensors import safe_open
@@ -68,12 +94,12 @@ def main() -> None:
     a = ap.parse_args()
     best = 0.0
     for t in a.threads:
-        gbps = read_gbps(t, a.gib, a.reps)
-        best = max(best, gbps)
-        print(json.dumps({"threads": t, "read GB/s": round(gbps, 1)}), flush=True)
+        gbps, gemv = read_gbps(t, a.gib, a.reps), gemv_gbps(t, a.gib, a.reps)
+        best = max(best, gbps, gemv or 0.0)
+        print(json.dumps({"threads": t, "read GB/s": round(gbps, 1), "gemv GB/s": gemv and round(gemv, 1)}), flush=True)
     for name in a.models:
         elems = decode_weight_elems(resolve_model(name))
-        row = {"model": name, "weights per token (M)": round(elems / 1e6, 1)}
+        row = {"model": name, "weights per token (M)": round(elems / 1e6, 1), "at GB/s": round(best, 1)}
         for dtype, size in (("fp32", 4), ("bf16", 2)):
             row[f"{dtype} MB/token"] = round(elems * size / 1e6, 1)
             row[f"{dtype} tok/s ceiling"] = round(best * 1e9 / (elems * size), 1)

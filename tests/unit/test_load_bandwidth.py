@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 
-from load.bandwidth import decode_weight_elems, read_gbps
+from kernels.cpu import decode_library
+from load.bandwidth import decode_weight_elems, gemv_gbps, read_gbps
 from tests.conftest import model_dir
 
 
 def test_probe_reads_the_buffer():
     assert read_gbps(1, gib=1 / 64, reps=1) > 0.1
+    gemv = gemv_gbps(1, gib=1 / 64, reps=1)
+    assert (gemv is None) == (decode_library() is None) and (gemv is None or gemv > 0.1)
 
 
 def test_weights_per_decode_token():
