@@ -19,6 +19,9 @@ from fastapi import Depends, Request
 from ray import serve
 
 from backend.scale import metrics as metrics_mod
+from backend.scale.loopback import bind_replica_grpc_to_loopback
+
+bind_replica_grpc_to_loopback()                     # in the replica process, before Serve binds it
 
 
 class ShimIngress:

@@ -21,8 +21,11 @@ import shutil
 import tempfile
 
 from backend.disagg.secret import write_secret
+from backend.scale.loopback import bind_replica_grpc_to_loopback
 from backend.serving.launcher import TritonServer
 from client.errors import TritonLLMError, UnavailableError
+
+bind_replica_grpc_to_loopback()                     # in the replica process, before Serve binds it
 
 
 def error_record(exc: TritonLLMError, replica: str, dead: bool = False) -> dict:
