@@ -36,6 +36,8 @@ import subprocess
 
 import torch
 
+from common import env
+
 log = logging.getLogger("triton_llm.kernels")
 SOURCE = pathlib.Path(__file__).with_name("csrc") / "paged_cpu.c"
 DECODE_SOURCE = SOURCE.with_name("decode_cpu.c")
@@ -76,9 +78,9 @@ def _private_dir(d: pathlib.Path, uid: int | None = None) -> bool:
 
 def _cache_dir(uid: int | None = None) -> pathlib.Path | None:
     """The compiled-kernel folder (module docstring), or None: no private folder to be had."""
-    env = os.environ.get("TRITON_LLM_KERNEL_CACHE")
-    if env:                     # the user's explicit choice: that folder or none
-        return pathlib.Path(env) if _private_dir(pathlib.Path(env), uid) else None
+    chosen = env.raw("TRITON_LLM_KERNEL_CACHE")
+    if chosen:                  # the user's explicit choice: that folder or none
+        return pathlib.Path(chosen) if _private_dir(pathlib.Path(chosen), uid) else None
     for d in (pathlib.Path(__file__).resolve().parents[1] / "build" / "kernels",
               pathlib.Path.home() / ".cache" / "triton_llm" / "kernels"):
         if _private_dir(d, uid):
@@ -106,14 +108,14 @@ def load_library(path: pathlib.Path) -> ctypes.CDLL:
 
 
 def _disabled() -> bool:
-    return os.environ.get("TRITON_LLM_CPU_KERNELS", "1").lower() in ("0", "false", "off", "no")
+    return not env.flag("TRITON_LLM_CPU_KERNELS")
 
 
 def _build(source: pathlib.Path = SOURCE, flags: list[str] = FLAGS,
            extra: tuple[pathlib.Path, ...] = ()) -> pathlib.Path | None:
     """Build ``source`` (+ ``extra`` sources into the same library) once into the cache (also used
     by backend/quant/cpu.py); None on failure."""
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
+    cc = shutil.which(env.raw("CC") or "cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         return None
     headers = sorted(source.parent.glob("*.h"))          # included by the sources (simd_exp.h)

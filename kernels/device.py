@@ -8,7 +8,8 @@ interpreter gets few, large blocks, while a GPU gets the sizes its tensor cores 
 from __future__ import annotations
 
 import functools
-import os
+
+from common import env
 
 try:
     import triton  # noqa: F401
@@ -17,7 +18,7 @@ except Exception:  # pragma: no cover - e.g. a Python without triton
     HAVE_TRITON = False
 
 # triton.jit picks the interpreter when the kernels are defined, i.e. when kernels/ is imported.
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+INTERPRET = env.flag("TRITON_INTERPRET")
 
 
 @functools.lru_cache(maxsize=None)

@@ -33,6 +33,7 @@ from backend.outputs import STOP, StepDelta
 from backend.pooling_params import PoolingParams
 from backend.sampling_params import SamplingParams
 from backend import timing
+from common import env
 
 log = logging.getLogger(__name__)
 Sink = Callable[[StepDelta], Any] | queue.Queue
@@ -88,7 +89,7 @@ def _apply_engine_nice() -> None:
     stub's default, backend/serving/tritonserver.py: the serving stack's other processes then
     preempt the step's pool worker, whose chunks the engine thread takes over, instead of the engine
     thread itself)."""
-    value = os.environ.get(ENGINE_NICE_ENV)
+    value = env.raw(ENGINE_NICE_ENV)
     if value:
         set_thread_nice(value)
 

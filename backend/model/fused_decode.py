@@ -47,12 +47,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import pathlib
 
 import torch
 
 from backend.model.llama import Linear, LlamaForCausalLM
+from common import env
 
 log = logging.getLogger("triton_llm.model")
 MAX_TOKENS = 8192  # steps with a prefill chunk: fused up to this many new tokens (faster up to 2048 measured, docs/kernels.md)
@@ -115,13 +115,13 @@ def _quant_gemms() -> tuple[int, int] | None:
 
 
 def enabled() -> bool:
-    return os.environ.get("TRITON_LLM_FUSED_DECODE", "1").lower() not in ("0", "false", "off", "no")
+    return env.flag("TRITON_LLM_FUSED_DECODE")
 
 
 def max_tokens() -> int:
     """Steps with prefill chunks take the fused step up to this many new tokens
     (``TRITON_LLM_FUSED_MAX_TOKENS``; 0: all-decode steps only)."""
-    return int(os.environ.get("TRITON_LLM_FUSED_MAX_TOKENS", MAX_TOKENS))
+    return env.integer("TRITON_LLM_FUSED_MAX_TOKENS", MAX_TOKENS)
 
 
 def _mkl_sgemm() -> int | None:
@@ -199,7 +199,7 @@ class FusedDecoder:
             num_layers=cfg.num_layers, hidden=cfg.hidden_size, num_heads=cfg.num_heads,
             num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, inter=cfg.intermediate_size,
             vocab=cfg.vocab_size, block_size=block_size, max_pos=rot.cos.shape[0],
-            gemm_min_m=int(os.environ.get("TRITON_LLM_FUSED_GEMM_MIN_M", GEMM_MIN_M)) if sgemm else 1 << 62,
+            gemm_min_m=env.integer("TRITON_LLM_FUSED_GEMM_MIN_M", GEMM_MIN_M) if sgemm else 1 << 62,
             eps=cfg.rms_norm_eps, scale=cfg.head_dim ** -0.5,
             embed=model.model.embed_tokens.data_ptr(), norm=norm.data_ptr(),
             lm_head=None if self.bf16 else model.lm_head_weight().data_ptr(), cos=rot.cos.data_ptr(),

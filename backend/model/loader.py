@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import mmap
-import os
 import pathlib
 import re
 
@@ -29,6 +28,7 @@ from torch import nn
 
 from backend.model.config import ModelConfig
 from backend.model.llama import LlamaForCausalLM, RotaryEmbedding
+from common import env
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _FUSED = re.compile(r"^(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias|qweight|scales|zeros)$")
@@ -113,7 +113,7 @@ _ALIGN = 64        # each parameter's first byte: a cache line (the C kernels' v
 
 
 def huge_pages_enabled() -> bool:
-    return os.environ.get("TRITON_LLM_HUGE_PAGES", "1").lower() not in ("0", "false", "off", "no")
+    return env.flag("TRITON_LLM_HUGE_PAGES")
 
 
 def weight_arena(nbytes: int) -> torch.Tensor:

@@ -12,8 +12,8 @@ which is arithmetic-bound at ~12 GB/s there) or at least ``A16_MIN_M`` rows:
 with vpmaddwd, exact int32 sums (csrc/quant_cpu.c, "int8 weights x int16 activations"): 1.2-1.3x
 the weight-only loops on SmolLM2 decode steps of 8-32 rows and 1.5-1.9x on prefill chunks, for
 an activation rounding of at most max|x[m]| / (2 Q) per element, Q = min(32767, (2^31 - 1) /
-(127 K)) (bound and measurements in docs/quantization.md). ``TRITON_LLM_INT8_ACT=fp32`` turns it off
-(weight-only numerics for every M). This covers the fused decode step too, which calls ``w8_gemm``.
+(127 K)) (bound and measurements in docs/quantization.md); ``w8_set_a16_min_m(0)`` (tests, benchmarks)
+gives the weight-only numerics for every M. This covers the fused decode step too, which calls ``w8_gemm``.
 
 2 rows per channel: the same GEMV on both rows (2.1-2.2x). 3-4 rows (and 2 in groups of 32),
 other int8 groups and int4: the weight-only C loops for
@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import pathlib
 
 import torch
 import torch.nn.functional as F
+
+from common import env
 
 SOURCE = pathlib.Path(__file__).with_name("csrc") / "quant_cpu.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
@@ -43,7 +44,7 @@ _P, _I, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 @functools.lru_cache(maxsize=1)
 def library():
-    if os.environ.get("TRITON_LLM_CPU_KERNELS", "1").lower() in ("0", "false", "off", "no"):
+    if not env.flag("TRITON_LLM_CPU_KERNELS"):
         return None
     from kernels.cpu import _build, load_library
 
@@ -56,23 +57,13 @@ def library():
         fn.restype = None
     lib.w8_set_a16_min_m.argtypes, lib.w8_set_a16_min_m.restype = [_I], None
     lib.w8_a16_min_m.argtypes, lib.w8_a16_min_m.restype = [], _I
-    lib.w8_set_a16_min_m(A16_MIN_M if int8_activations() == "int16" else 0)
+    lib.w8_set_a16_min_m(A16_MIN_M)
     lib.w4_gemm.argtypes = [_P, _I, _I, _I, _P, _P, _P, _I, _P, _I, _P, _I, _C]
     lib.w8_dequant.argtypes = [_P, _P, _I, _I, _I, _P, _C]
     lib.w4_dequant.argtypes = [_P, _P, _P, _I, _I, _I, _P, _C]
     for fn in (lib.w8_gemm, lib.w4_gemm, lib.w8_dequant, lib.w4_dequant):
         fn.restype = None
     return lib
-
-
-def int8_activations() -> str:
-    """``TRITON_LLM_INT8_ACT``: ``int16`` (default: int8 GEMMs with M >= A16_MIN_M quantize each
-    activation row to int16, error bound in docs/quantization.md) or ``fp32`` (weight-only for
-    every M, the reference numerics)."""
-    v = os.environ.get("TRITON_LLM_INT8_ACT", "int16").lower()
-    if v not in ("int16", "fp32"):
-        raise ValueError(f"TRITON_LLM_INT8_ACT must be int16 or fp32 (got {v!r})")
-    return v
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -7,7 +7,7 @@ loopback: Ray binds its gRPC servers (GCS, raylets, workers) and agents to 127.0
 node address is loopback, which on Linux it is when ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (Ray's
 single-machine mode; ``ray.init(_node_ip_address="127.0.0.1")`` would be turned back into the
 host's address). No dashboard. Ray reads these settings from the environment, and its processes
-inherit them, so they are set in ``os.environ`` before Ray starts.
+inherit them, so they are set in this process's environment before Ray starts.
 
 Joining a cluster (``RAY_ADDRESS``) is refused unless this process has Ray's token settings, or
 the caller passes ``insecure=True`` (``--ray-address-insecure``).
@@ -22,6 +22,8 @@ import secrets
 import shutil
 import tempfile
 
+from common import env
+
 AUTH_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
 DEFAULT_INGRESS_CPUS = 0.5
 
@@ -30,7 +32,7 @@ class ClusterRefused(RuntimeError):
     """The cluster (or the sizing on it) is refused; the message says what to set."""
 
 
-def lock_down_local(environ=os.environ) -> pathlib.Path:
+def lock_down_local(environ: dict | None = None) -> pathlib.Path:
     """Token auth and loopback-only ports for the local cluster Ray is about to start; returns the
     token's directory (the caller removes it at exit)."""
     d = pathlib.Path(tempfile.mkdtemp(prefix="tllm-ray-auth-"))      # mode 0700
@@ -38,9 +40,13 @@ def lock_down_local(environ=os.environ) -> pathlib.Path:
     fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_hex(32))
-    environ.pop("RAY_AUTH_TOKEN", None)          # it would win over the file
-    environ.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token),
-                    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})
+    values = {"RAY_AUTH_TOKEN": None,            # it would win over the file
+              "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    if environ is None:
+        env.update(values)                      # this process's: Ray and its workers inherit it
+    else:
+        environ.pop("RAY_AUTH_TOKEN", None)
+        environ.update({k: v for k, v in values.items() if v is not None})
     return d
 
 
@@ -49,10 +55,11 @@ def remove_token(directory: pathlib.Path | None) -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def check_join(address: str, insecure: bool, environ=os.environ) -> None:
+def check_join(address: str, insecure: bool, environ: dict | None = None) -> None:
     """Refuse to join ``address`` without Ray's token auth unless ``insecure``."""
     if insecure:
         return
+    environ = env.snapshot() if environ is None else environ
     has_token = bool(environ.get("RAY_AUTH_TOKEN") or environ.get("RAY_AUTH_TOKEN_PATH")
                      or (pathlib.Path.home() / ".ray" / "auth_token").is_file())
     if environ.get("RAY_AUTH_MODE", "").lower() == "token" and has_token:

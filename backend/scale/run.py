@@ -19,6 +19,7 @@ import threading
 from backend.scale.ray_cluster import (ClusterRefused, check_join, lock_down_local, reap_local, remove_token,
                                        size_cpus)
 from backend.serving.repository import parse_engine_options
+from common import env
 
 APP_NAME = "triton-llm"
 
@@ -73,7 +74,7 @@ def serve_replicas(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     _on_signals(_raise_stopped)                         # before Ray starts: every phase stops
-    address = os.environ.get("RAY_ADDRESS")
+    address = env.raw("RAY_ADDRESS")
     token_dir = None
     running = False
     try:

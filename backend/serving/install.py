@@ -21,6 +21,8 @@ import sys
 import sysconfig
 from dataclasses import dataclass
 
+from common import env
+
 CONTAINER_TRITONSERVER = pathlib.Path("/opt/tritonserver/bin/tritonserver")
 STUB = "triton_python_backend_stub"
 # This interpreter's libpython directory, read once at import: Python 3.11's sysconfig fills its
@@ -49,8 +51,8 @@ def find_tritonserver() -> TritonInstall:
     """``$TRITONSERVER``, else the container's ``/opt/tritonserver``, else the nvidia-pytriton wheel's."""
     wheel = _wheel_root()
     candidates = []
-    if os.environ.get("TRITONSERVER"):
-        candidates.append(pathlib.Path(os.environ["TRITONSERVER"]))
+    if env.raw("TRITONSERVER"):
+        candidates.append(pathlib.Path(env.raw("TRITONSERVER")))
     candidates.append(CONTAINER_TRITONSERVER)
     if wheel is not None:
         candidates.append(wheel / "bin" / "tritonserver")
@@ -91,7 +93,7 @@ def backend_directory(install: TritonInstall, workdir: pathlib.Path) -> pathlib.
 
 def server_env(install: TritonInstall, base: dict[str, str] | None = None) -> dict[str, str]:
     """Environment for tritonserver: shared libraries found, this venv's python3 first on PATH."""
-    env = dict(os.environ if base is None else base)
+    out = env.snapshot() if base is None else dict(base)
     libs: list[str] = []
     if install.wheel_root is not None:
         site = install.wheel_root.parent.parent             # .../site-packages
@@ -99,14 +101,11 @@ def server_env(install: TritonInstall, base: dict[str, str] | None = None) -> di
             if d.is_dir():
                 libs.append(str(d))
     libs.append(LIBDIR)
-    if env.get("LD_LIBRARY_PATH"):
-        libs.append(env["LD_LIBRARY_PATH"])
-    env["LD_LIBRARY_PATH"] = os.pathsep.join(libs)
+    if out.get("LD_LIBRARY_PATH"):
+        libs.append(out["LD_LIBRARY_PATH"])
+    out["LD_LIBRARY_PATH"] = os.pathsep.join(libs)
     venv_bin = str(pathlib.Path(sys.executable).parent)
-    env["PATH"] = os.pathsep.join([venv_bin, env.get("PATH", "")])
+    out["PATH"] = os.pathsep.join([venv_bin, out.get("PATH", "")])
     if sys.prefix != sys.base_prefix:
-        env["VIRTUAL_ENV"] = sys.prefix
-    # The stubs import the project (backend.*) from this checkout even when it is not installed.
-    root = str(pathlib.Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    return env
+        out["VIRTUAL_ENV"] = sys.prefix
+    return out

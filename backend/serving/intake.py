@@ -12,7 +12,6 @@ engine when the grammar is ready, from the worker's callback, or gets its 400.
 from __future__ import annotations
 
 import logging
-import os
 import time
 import uuid
 from typing import Any, Callable
@@ -27,6 +26,7 @@ from backend.serving.request_params import cache_salt, fit_context, parse_parame
 from backend.serving.response_thread import ResponseThread
 from backend.serving.tombstones import AbortTombstones
 from backend import timing
+from common import env
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class Intake:
         self.loop = loop
         self.allow_client_salt = allow_client_salt
         # Fault injection for tests: needs the engine option *and* the environment variable.
-        self.test_faults = test_faults and os.environ.get("TRITON_LLM_TEST_FAULTS") == "1"
+        self.test_faults = test_faults and env.flag("TRITON_LLM_TEST_FAULTS")
         self.responses = responses
         self.tombstones = tombstones
         self.max_model_len = max_model_len

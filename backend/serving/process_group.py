@@ -14,6 +14,8 @@ import socket
 import subprocess
 import time
 
+from common import env
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
@@ -45,24 +47,17 @@ def _die_with_parent() -> None:
         pass
 
 
-def _set_environ(env: dict[str, str | None]) -> None:
-    for k, v in env.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-
-
 @contextlib.contextmanager
 def scoped_environ(overrides: dict[str, str | None]):
-    """``os.environ`` with ``overrides`` (None: unset) while the block runs, as it was after: the
+    """The environment with ``overrides`` (None: unset) while the block runs, as it was after: the
     environment that servers started in the block (tritonserver and its stubs, the shim) inherit."""
-    saved = {k: os.environ.get(k) for k in overrides}
-    _set_environ(overrides)
+    now = env.snapshot()
+    saved = {k: now.get(k) for k in overrides}
+    env.update(overrides)
     try:
         yield
     finally:
-        _set_environ(saved)
+        env.update(saved)
 
 
 def spawn(cmd: list[str], log_path: pathlib.Path, *, cwd: str | os.PathLike,

@@ -10,7 +10,6 @@ public address) applies to the shim alone, the authenticated front (docs/serving
 from __future__ import annotations
 
 import argparse
-import os
 import pathlib
 import threading
 import signal
@@ -21,9 +20,10 @@ import time
 from backend.serving.process_group import spawn, terminate_group, wait_port
 from backend.serving.server_log import log_tail
 from backend.serving.tritonserver import ServerStartError, TritonServer
+from common import env
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-SERVE_DRAIN_SECONDS = float(os.environ.get("TRITON_LLM_DRAIN_SECONDS", 60))  # open streams may finish this long
+SERVE_DRAIN_SECONDS = env.number("TRITON_LLM_DRAIN_SECONDS")  # open streams may finish this long
 EXIT_TIMEOUT = 5                  # tritonserver's own wait on SIGTERM: the drain already waited
 HEALTH_INTERVAL = 1.0             # engine death -> unloaded (not ready) within ~2 s
 

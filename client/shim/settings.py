@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ipaddress
-import os
 import pathlib
 from dataclasses import dataclass, field
 
@@ -12,6 +11,7 @@ from client.errors import UnavailableError
 from client.shim.limits import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES,
                                 DEFAULT_PROMPT_CHARS_PER_TOKEN)
 from client.shim.tenants import KeyPolicy, as_policy, default_tenant, parse_key_entry  # noqa: F401
+from common import env
 
 KEYS_ENV = "TRITON_LLM_API_KEYS"
 INSECURE_ENV = "TRITON_LLM_INSECURE_NO_API_KEYS"   # "1": --insecure-no-api-keys (compose sets it)
@@ -124,10 +124,10 @@ def load_keys(settings: ShimSettings) -> dict[str, KeyPolicy]:
     keys = {k: as_policy(k, v) for k, v in settings.api_keys.items()}
     if settings.api_keys_file:
         keys.update(parse_key_lines(pathlib.Path(settings.api_keys_file).read_text().splitlines()))
-    env = os.environ.get(KEYS_ENV, "")
-    if env.strip():
-        keys.update(parse_key_lines(env.split(",")))
-    insecure = settings.insecure_no_api_keys or os.environ.get(INSECURE_ENV, "").strip() == "1"
+    listed = env.raw(KEYS_ENV) or ""
+    if listed.strip():
+        keys.update(parse_key_lines(listed.split(",")))
+    insecure = settings.insecure_no_api_keys or env.flag(INSECURE_ENV)
     if not keys and not insecure and (settings.require_api_keys or not is_loopback(settings.host)):
         why = "" if settings.require_api_keys else f" and --host {settings.host or '(all)'} is not loopback"
         raise MissingAPIKeys(f"no API keys configured{why}: give --api-keys FILE or {KEYS_ENV}=KEY[:TENANT],... "

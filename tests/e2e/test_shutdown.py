@@ -28,12 +28,13 @@ pytestmark = pytest.mark.e2e
 
 
 class Serve:
-    def __init__(self, workdir, *, shim: bool, env: dict | None = None, options: list[str] = ()) -> None:
+    def __init__(self, workdir, *, shim: bool, env: dict | None = None, options: list[str] = (),
+                 model=None) -> None:
         self.http, self.grpc, self.metrics = free_port(), free_port(), free_port()
         self.shim = free_port() if shim else 0
         self.workdir = workdir
         self.grpc_url = f"127.0.0.1:{self.grpc}"
-        cmd = [sys.executable, "-m", "backend.cli", "serve", "--model", str(model_dir("tiny")),
+        cmd = [sys.executable, "-m", "backend.cli", "serve", "--model", str(model or model_dir("tiny")),
                "--http-port", str(self.http), "--grpc-port", str(self.grpc), "--metrics-port", str(self.metrics),
                "--shim-port", str(self.shim), "--workdir", str(workdir),
                "--engine-option", "num_kv_blocks=256", "--engine-option", "num_threads=1"]
@@ -110,11 +111,14 @@ def test_idle_shutdown_after_concurrent_streams_is_fast(tmp_path):
     assert serve.leftovers() == []
 
 
-def test_streams_open_at_the_drain_deadline_are_cut_then_all_stops(tmp_path):
-    serve = Serve(tmp_path / "serve", shim=False, env={"TRITON_LLM_DRAIN_SECONDS": "1"})
+def test_streams_open_at_the_drain_deadline_are_cut_then_all_stops(tmp_path, real_model_dir):
+    # The real model (SmolLM2-135M): 4 streams of 1000 tokens take tens of seconds on any CPU, far
+    # longer than the 1 s drain. The tiny checkpoint's 1000 tokens ended before the cut on a fast
+    # host (its whole context is 1024 tokens: it cannot be made to run longer).
+    serve = Serve(tmp_path / "serve", shim=False, env={"TRITON_LLM_DRAIN_SECONDS": "1"}, model=real_model_dir)
     streams = []
     try:
-        for _ in range(4):                       # 4 x 1000 tokens: longer than the 1 s drain
+        for _ in range(4):                       # 4 x 1000 tokens: far longer than the 1 s drain
             s = Stream(serve)
             res = Result(uuid.uuid4().hex)
             s.send("llm", make_inputs(text="go on"), res.request_id,

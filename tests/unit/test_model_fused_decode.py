@@ -419,7 +419,7 @@ def qrunner(request) -> ModelRunner:
     try:
         yield r
     finally:
-        setter(qcpu.A16_MIN_M if qcpu.int8_activations() == "int16" else 0)
+        setter(qcpu.A16_MIN_M)
 
 
 @pytest.mark.parametrize("m", [1, 3, 16])

@@ -150,9 +150,9 @@ def test_one_row_int16_gemv_against_float64(m, n, k, group):
         torch.set_num_threads(before)
 
 
-def test_int8_routing_and_switch(monkeypatch):
+def test_int8_routing_and_switch():
     """w8_gemm (also what the fused decode step calls) takes int16 activations at 1 row per channel
-    and from A16_MIN_M rows on (per channel and groups of 32); TRITON_LLM_INT8_ACT=fp32 keeps the
+    and from A16_MIN_M rows on (per channel and groups of 32); w8_set_a16_min_m(0) keeps the
     weight-only loops everywhere."""
     torch.manual_seed(5)
     k = 200
@@ -173,18 +173,11 @@ def test_int8_routing_and_switch(monkeypatch):
         assert not torch.equal(run(qw, "a16"), run(qw, "f32a"))
         if m > cpu.SMALL_M:                                                   # torch path: groups dequantize + BLAS
             assert torch.equal(run(q32, None), run(q32, "blas"))
-    with pytest.raises(ValueError, match="TRITON_LLM_INT8_ACT"):
-        monkeypatch.setenv("TRITON_LLM_INT8_ACT", "int4")
-        cpu.int8_activations()
-    monkeypatch.setenv("TRITON_LLM_INT8_ACT", "fp32")
-    cpu.library.cache_clear()
+    lib.w8_set_a16_min_m(0)                                                   # the weight-only numerics
     try:
-        assert cpu.library().w8_a16_min_m() == 0
         for m in (1, 16):
             x = torch.randn(m, k)
             assert torch.equal(cpu.gemm(x, "int8", qw.qweight, qw.scales, None, k, k, None),
                                cpu.gemm(x, "int8", qw.qweight, qw.scales, None, k, k, None, kernel="f32a"))
     finally:
-        monkeypatch.delenv("TRITON_LLM_INT8_ACT")
-        cpu.library.cache_clear()
-        assert cpu.library().w8_a16_min_m() == cpu.A16_MIN_M
+        lib.w8_set_a16_min_m(cpu.A16_MIN_M)

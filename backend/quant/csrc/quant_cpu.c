@@ -25,7 +25,7 @@
  * Scales are fp16 (raw uint16 here), widened once per group. Per-group partial sums with a
  * scale applied afterwards were tried first: with G = 32 their per-group bookkeeping cost more
  * than the multiply-adds.
- * These weight-only loops are the reference numerics (TRITON_LLM_INT8_ACT=fp32); by default int8
+ * These weight-only loops are the reference numerics (w8_set_a16_min_m(0)); by default int8
  * (per channel, or groups of 32) takes int16 activations at 1 row (per channel also at 2) and
  * from a16_min_m = 5 rows on (w8_gemm at the end of the int8 section); int4 and int8 at 3-4 rows
  * stay here.
