@@ -25,7 +25,8 @@ from typing import Any, AsyncIterator, Callable
 
 from backend import protocol as P
 from client.errors import InternalError
-from client.triton_client import Chunk, TritonLLMClient
+from client.triton_client import TritonLLMClient
+from client.wire import Chunk
 
 __all__ = ["DisaggLLMClient"]
 

@@ -16,7 +16,7 @@ import math
 from typing import AsyncIterator
 
 from client.errors import TritonLLMError, UnavailableError
-from client.triton_client import Chunk
+from client.wire import Chunk
 
 REPLY = "Hello world! 你好，世界 🙂 The quick brown fox jumps over the lazy dog. " * 4
 

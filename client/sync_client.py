@@ -16,7 +16,8 @@ import queue
 import threading
 from typing import Iterator
 
-from client.triton_client import Chunk, TritonLLMClient
+from client.triton_client import TritonLLMClient
+from client.wire import Chunk
 
 _DONE = object()
 

@@ -26,7 +26,7 @@ from backend.scale.metrics import RoutingMetrics
 from backend.scale.served import SERVED, truthy
 from client.errors import (InternalError, InvalidRequestError, QueueFullError, TritonLLMError,
                            UnavailableError)
-from client.triton_client import Chunk
+from client.wire import Chunk
 
 log = logging.getLogger("triton_llm.scale")
 FALLBACK_PARAM = "fallback"          # request parameter: true = may be served by the lighter model

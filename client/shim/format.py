@@ -26,7 +26,7 @@ except ImportError:             # pragma: no cover - requirements.txt pins orjso
     def dumps(body: dict) -> str:
         return json.dumps(body, ensure_ascii=False, separators=(",", ":"))
 
-from client.triton_client import Chunk
+from client.wire import Chunk
 
 _MARK = "\ue000\u2063text\ue001"     # stands for the text in a chunk template (private-use characters)
 

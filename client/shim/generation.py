@@ -13,7 +13,7 @@ from typing import AsyncIterator
 
 from fastapi import Request
 
-from client.triton_client import Chunk
+from client.wire import Chunk
 
 Item = tuple[int, int, Chunk]                    # (choice index, prompt index, chunk)
 QUEUE_ITEMS = 64                                 # chunks merged from several prompts, waiting

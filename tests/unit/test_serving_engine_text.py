@@ -177,7 +177,7 @@ def test_the_clients_one_pass_parse_equals_tritonclients_as_numpy():
     import numpy as np
     from tritonclient.grpc import InferResult, service_pb2
 
-    from client.triton_client import parse_response
+    from client.wire import parse_response
 
     resp = service_pb2.ModelInferResponse(model_name="llm", id="r")
     values = {P.TEXT_OUTPUT: "héllo 🙂", P.FINISH_REASON: "stop", P.INDEX: [1], P.PROMPT_TOKENS: [7],

@@ -118,7 +118,7 @@ def test_command_line_and_model_dir(tmp_path):
 
 def test_chat_cli_streams_keeps_history_and_stops_on_ctrl_c():
     from client.chat_cli import run_chat
-    from client.triton_client import Chunk
+    from client.wire import Chunk
 
     class Client:
         def __init__(self):

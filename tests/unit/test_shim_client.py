@@ -9,7 +9,8 @@ import pytest
 
 from client.errors import (InternalError, InvalidRequestError, QueueFullError, UnavailableError,
                            error_from_message)
-from client.triton_client import Chunk, TritonLLMClient, parse_response, to_parameters
+from client.triton_client import TritonLLMClient
+from client.wire import Chunk, parse_response, to_parameters
 
 
 # -- error tags ------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from client.errors import InvalidRequestError
 from client.fake_client import FakeLLMClient
 from client.shim import ShimSettings, create_app
 from client.shim.background import BackgroundServer
-from client.triton_client import to_parameters
+from client.wire import to_parameters
 
 KEY = "sk-limits"
 H = {"Authorization": f"Bearer {KEY}"}

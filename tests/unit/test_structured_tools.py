@@ -8,7 +8,7 @@ import pytest
 
 from backend.structured.tool_prompt import template_inputs
 from client.shim.tools import ToolCallParser, ToolTally, parse_tool_calls
-from client.triton_client import Chunk
+from client.wire import Chunk
 
 CASES = [
     ("Hello there.", "Hello there.", []),
