@@ -30,34 +30,43 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
-void f32_to_half(const float *x, uint16_t *out, int64_t n, int kind);
-
 #define STREAMS 4                  /* as decode_cpu.c: rows from 4 parts of the range */
 
 int bf16_avx2_supported(void) { return 1; }
 
+/* x rounded to bf16 (RNE, as f32_to_half: NaN kept, made quiet), as an fp32 value. */
+static inline float round_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    u = (u & 0x7fffffff) > 0x7f800000 ? (u | 0x400000) : u + 0x7fff + ((u >> 16) & 1);
+    u &= 0xffff0000u;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline __m256 round8_bf16(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                           _mm256_set1_epi32(0x7f800000));
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
+                                                     _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))));
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(u, _mm256_set1_epi32(0x400000)), nan);
+    return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32((int)0xffff0000u)));
+}
+
 /* xr [M, K] fp32 = x rounded to bf16 (RNE); permute: each full 16-k block in the order above (the
- * tiles), else in place (BLAS). xr must not alias x. */
+ * tiles: two 128-bit lane swaps per block), else in place (BLAS). xr must not alias x. */
 void bf16_avx2_inputs(const float *x, int64_t M, int64_t K, float *xr, int permute) {
-    uint16_t tmp[256];
-    const int64_t kb = permute ? K & ~(int64_t)15 : 0;
     for (int64_t t = 0; t < M; t++) {
         const float *xt = x + t * K;
         float *o = xr + t * K;
-        for (int64_t k0 = 0; k0 < K; k0 += 256) {
-            const int64_t n = K - k0 < 256 ? K - k0 : 256;
-            f32_to_half(xt + k0, tmp, n, 2);                 /* kind 2: bf16, RNE, NaN kept quiet */
-            for (int64_t i = 0; i < n; i++) {
-                const int64_t k = k0 + i;
-                int64_t dst = k;
-                if (k < kb) {                                 /* position within its 16-block */
-                    const int64_t j = k & 15;
-                    dst = (k & ~(int64_t)15) + ((j & 4) ? 8 : 0) + ((j & 8) ? 4 : 0) + (j & 3);
-                }
-                const uint32_t u = (uint32_t)tmp[i] << 16;
-                memcpy(o + dst, &u, sizeof u);
-            }
+        int64_t k = 0;
+        for (; k + 16 <= K; k += 16) {
+            const __m256 a = round8_bf16(_mm256_loadu_ps(xt + k)), b = round8_bf16(_mm256_loadu_ps(xt + k + 8));
+            _mm256_storeu_ps(o + k, permute ? _mm256_permute2f128_ps(a, b, 0x20) : a);        /* 0-3, 8-11 */
+            _mm256_storeu_ps(o + k + 8, permute ? _mm256_permute2f128_ps(a, b, 0x31) : b);    /* 4-7, 12-15 */
         }
+        for (; k < K; k++) o[k] = round_bf16(xt[k]);
     }
 }
 

@@ -86,6 +86,15 @@ def test_avx2_linear_rounds_inputs_like_vdpbf16ps(lib):
     assert torch.equal(linear(lib, x, w, None, torch.zeros(1, 4), 0, 1, 1), torch.full((1, 4), 16 * (1 + 2 ** -7)))
     x = torch.full((1, 16), 1 + 2 ** -8)
     assert torch.equal(linear(lib, x, w, None, torch.zeros(1, 4), 0, 1, 1), torch.full((1, 4), 16.0))
+    # one-hot weights read each input back: every element rounded as torch rounds it (ties both
+    # ways, signs, subnormals, near bf16's largest), in the 16-blocks and in the tail
+    vals = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), -(1 + 3 * 2 ** -8), 0.1, -0.3, 1e-40, -3e-39,
+                         3.3e38, -1e38, 0.0, -0.0, 65504.0, 2 ** -126, 7.0, 1 / 3, 2.5e-5, 1 + 2 ** -9, -1e-20])
+    x = torch.stack([vals, vals.flip(0)])
+    eye = torch.eye(vals.numel()).bfloat16()
+    for m in (1, 2):
+        got = linear(lib, x[:m], eye, None, torch.zeros(m, vals.numel()), 0, 1, 1)
+        assert torch.equal(got, x[:m].bfloat16().float())
     if lib.bf16_dot_supported():
         g = torch.Generator().manual_seed(5)
         w, x = torch.randn(300, 576, generator=g).bfloat16(), torch.randn(9, 576, generator=g)
