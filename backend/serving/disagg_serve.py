@@ -55,18 +55,25 @@ class DisaggServers:
                  ports: tuple[dict, dict] | None = None, layout: str = "isolate", **server_kw) -> None:
         from backend.serving.repository import parse_engine_options
 
-        opts = parse_engine_options(engine_options)
-        self._own_secret = not opts.get("kv_secret_file")     # start() makes one for the pair
-        self._secret_dir: str | None = None
-        base = pathlib.Path(workdir) if workdir else None
-        p_ports, d_ports = ports or ({}, {})
-        self.prefill = TritonServer(model_dir, engine_options={**opts, "role": "prefill"},
-                                    workdir=base / "prefill" if base else None, **p_ports, **server_kw)
-        self.decode = TritonServer(model_dir, engine_options={**opts, "role": "decode"},
-                                   workdir=base / "decode" if base else None, **d_ports, **server_kw)
-        self.cpus = cpus
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {', '.join(LAYOUTS)} (got {layout!r})")
+        opts = parse_engine_options(engine_options)
+        self._secret_dir: str | None = None
+        if not opts.get("kv_secret_file"):              # one secret per pair, by file (never argv);
+            from backend.disagg.secret import write_secret   # removed by stop()
+            self._secret_dir = tempfile.mkdtemp(prefix="tllm-kv-")     # mode 0700
+            opts["kv_secret_file"] = write_secret(os.path.join(self._secret_dir, "kv.secret"))
+        base = pathlib.Path(workdir) if workdir else None
+        p_ports, d_ports = ports or ({}, {})
+        try:
+            self.prefill = TritonServer(model_dir, engine_options={**opts, "role": "prefill"},
+                                        workdir=base / "prefill" if base else None, **p_ports, **server_kw)
+            self.decode = TritonServer(model_dir, engine_options={**opts, "role": "decode"},
+                                       workdir=base / "decode" if base else None, **d_ports, **server_kw)
+        except BaseException:
+            self._drop_secret()
+            raise
+        self.cpus = cpus
         self.layout = layout
 
     @property
@@ -78,12 +85,6 @@ class DisaggServers:
         (PR_SET_PDEATHSIG, process_group.py), so each starter thread lives until ``stop()``."""
         errors: list[BaseException] = []
         self._held = threading.Event()
-        if self._own_secret and self._secret_dir is None:     # one secret per pair, by file (never argv)
-            from backend.disagg.secret import write_secret
-            self._secret_dir = tempfile.mkdtemp(prefix="tllm-kv-")     # mode 0700
-            path = write_secret(os.path.join(self._secret_dir, "kv.secret"))
-            for s in self.servers:
-                s.engine_options["kv_secret_file"] = path
         ready = [threading.Event() for _ in self.servers]
 
         def start(server: TritonServer, done: threading.Event) -> None:
@@ -130,6 +131,9 @@ class DisaggServers:
         held = getattr(self, "_held", None)
         if held is not None:
             held.set()
+        self._drop_secret()
+
+    def _drop_secret(self) -> None:
         if self._secret_dir is not None:
             shutil.rmtree(self._secret_dir, ignore_errors=True)
             self._secret_dir = None
