@@ -24,52 +24,10 @@ import threading
 import time
 
 from client.chat import quota as quotas
-from client.chat.records import Conversation, Message
+from client.chat.records import SCHEMA, Conversation, Message
 from client.chat.quota import QuotaExceeded, TenantQuota  # noqa: F401 (re-exported)
 from client.chat.validation import (ALLOWED_PARAMS, POLICIES, Invalid, NotFound,  # noqa: F401 (re-exported)
                                     validate_message, validate_settings)
-
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS conversations (
-    id              TEXT PRIMARY KEY,
-    tenant          TEXT NOT NULL,
-    title           TEXT NOT NULL,
-    created_at      REAL NOT NULL,
-    updated_at      REAL NOT NULL,
-    current_leaf_id TEXT REFERENCES messages(id) ON DELETE SET NULL,
-    system_prompt   TEXT NOT NULL DEFAULT '',
-    policy          TEXT NOT NULL DEFAULT 'truncate' CHECK (policy IN ('truncate', 'summarize')),
-    keep_turns      INTEGER NOT NULL DEFAULT 8 CHECK (keep_turns >= 1),
-    max_tokens      INTEGER CHECK (max_tokens IS NULL OR max_tokens >= 1),
-    params          TEXT NOT NULL DEFAULT '{}'
-);
-CREATE INDEX IF NOT EXISTS conversations_tenant ON conversations(tenant, updated_at);
-CREATE TABLE IF NOT EXISTS messages (
-    id              TEXT PRIMARY KEY,
-    conversation_id TEXT NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
-    parent_id       TEXT,
-    seq             INTEGER NOT NULL,
-    role            TEXT NOT NULL CHECK (role IN ('user', 'assistant')),
-    content         TEXT NOT NULL,
-    created_at      REAL NOT NULL,
-    finish_reason   TEXT,
-    stopped         INTEGER NOT NULL DEFAULT 0,
-    stats           TEXT,
-    context         TEXT,
-    UNIQUE (conversation_id, id),
-    FOREIGN KEY (conversation_id, parent_id) REFERENCES messages(conversation_id, id)
-        ON DELETE CASCADE
-);
-CREATE INDEX IF NOT EXISTS messages_parent ON messages(conversation_id, parent_id, seq);
-CREATE TABLE IF NOT EXISTS summaries (
-    conversation_id TEXT NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
-    upto_id         TEXT NOT NULL REFERENCES messages(id) ON DELETE CASCADE,
-    turns           INTEGER NOT NULL,
-    content         TEXT NOT NULL,
-    created_at      REAL NOT NULL,
-    PRIMARY KEY (conversation_id, upto_id)
-);
-"""
 
 
 def _new_id(prefix: str) -> str:
