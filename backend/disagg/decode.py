@@ -72,7 +72,8 @@ class DecodeRole:
         self.placer = placer
         self.async_min_blocks = async_min_blocks     # bench A/B: a huge value = all inline
         self.placing: dict[str, Job] = {}           # on the placer, in submission order
-        self.callers: dict[str, tuple[str | None, int]] = {}   # request id -> the caller's (salt, priority)
+        # request id -> the caller's own (salt, priority, deadline): never the record's
+        self.callers: dict[str, tuple[str | None, int, float | None]] = {}
         connector.set_geometry(KVGeometry.of_engine(engine))  # every locator is checked against this pool
 
     def busy(self) -> bool:
@@ -82,10 +83,12 @@ class DecodeRole:
     def holds(self, request_id: str) -> bool:
         return request_id in self.pending or request_id in self.placing
 
-    def submit(self, record: Handover, *, salt: str | None = None, priority: int = 0) -> None:
-        """Queue a validated record; ``salt`` and ``priority`` are the caller's own request's."""
+    def submit(self, record: Handover, *, salt: str | None = None, priority: int = 0,
+               deadline: float | None = None) -> None:
+        """Queue a validated record; ``salt``, ``priority`` and ``deadline`` (time.monotonic())
+        are the caller's own request's (the record's remaining time can only shorten it)."""
         self.pending[record.request_id] = record
-        self.callers[record.request_id] = (salt, priority)
+        self.callers[record.request_id] = (salt, priority, deadline)
 
     def abort(self, request_id: str) -> list[StepDelta] | None:
         """Abort a hand-over not admitted yet (its staged KV is dropped; one being placed frees
@@ -98,7 +101,7 @@ class DecodeRole:
         rec = self.pending.pop(request_id, None)
         if rec is None:
             return None
-        self._drop(rec, self.callers.pop(request_id, (None, 0))[0])
+        self._drop(rec, self.callers.pop(request_id, (None, 0, None))[0])
         self.stats.aborted_pending += 1
         return [_final(rec, "abort", None)]
 
@@ -108,9 +111,9 @@ class DecodeRole:
         deltas = self.collect() if self.placing else []
         for rid in list(self.pending)[:limit]:
             rec = self.pending[rid]
-            salt, priority = self.callers.get(rid, (None, 0))
+            salt, priority, deadline = self.callers.get(rid, (None, 0, None))
             try:
-                out = self._admit(rec, salt, priority)
+                out = self._admit(rec, salt, priority, deadline)
             except Exception as exc:                  # noqa: BLE001 - a bad record ends its request, not the engine
                 self._abandon(rec, salt)
                 self.stats.rejected += 1
@@ -163,7 +166,8 @@ class DecodeRole:
             self.engine.kv.free(f"{rec.request_id}#0")          # Sequence.seq_id of choice 0; unknown: no-op
         self._drop(rec, salt)
 
-    def _admit(self, rec: Handover, salt: str | None, priority: int) -> list[StepDelta] | None:
+    def _admit(self, rec: Handover, salt: str | None, priority: int,
+               deadline: float | None = None) -> list[StepDelta] | None:
         eng, sched, kv = self.engine, self.engine.scheduler, self.engine.kv
         try:
             params = rec.sampling_params()
@@ -178,9 +182,9 @@ class DecodeRole:
         if len(sched.running) + len(self.placing) + 1 > eng.args.max_num_seqs:
             return None
         now = time.monotonic()
+        ends = [d for d in (deadline, None if rec.deadline_in is None else now + rec.deadline_in) if d is not None]
         req = Request(rec.request_id, list(rec.prompt_token_ids), params, max_tokens=min(max_tokens, rec.max_tokens),
-                      stream=rec.stream, salt=salt, priority=priority,
-                      deadline=None if rec.deadline_in is None else now + rec.deadline_in,
+                      stream=rec.stream, salt=salt, priority=priority, deadline=min(ends, default=None),
                       arrival_time=now - rec.queue_time)
         req.first_scheduled_time = req.first_token_time = now
         req.num_cached_tokens = rec.num_cached_tokens

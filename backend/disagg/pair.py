@@ -39,7 +39,7 @@ class DisaggPair:
             from backend.engine.admission import duplicate_id
             raise duplicate_id(request_id)
         self.prefill.add_request(request_id, prompt_token_ids, params, **kw)
-        self._callers[request_id] = (kw.get("salt"), kw.get("priority", 0))
+        self._callers[request_id] = (kw.get("salt"), kw.get("priority", 0))   # deadline: the record's
 
     def abort_request(self, request_id: str) -> bool:
         """Abort wherever the request is: prefill engine, in hand-over, or decode engine."""

@@ -196,7 +196,8 @@ class DecodeEngine(_Wrapped):
             self.connector.release(rec.locator, owner=kw.get("salt") or "") if rec.locator else None
             raise duplicate_id(request_id)
         self._staged_at[request_id] = float(rec.extra.get("staged_at", 0.0) or 0.0)
-        self.role.submit(rec, salt=kw.get("salt"), priority=kw.get("priority", 0))   # the caller's, not the record's
+        self.role.submit(rec, salt=kw.get("salt"), priority=kw.get("priority", 0),
+                         deadline=kw.get("deadline"))                # the caller's, not the record's
 
     def has_unfinished(self) -> bool:
         return self._engine.has_unfinished() or self.role.busy()

@@ -204,3 +204,17 @@ def test_the_decode_side_takes_the_callers_salt_and_cannot_fetch_another_tenants
     assert pre.engine.connector.num_staged() == staged                # still tenant a's
     assert pre.abort("t1").result(timeout=10) is not None               # a's abort releases it
     assert pre.engine.connector.num_staged() == staged - 1
+
+
+def test_the_callers_deadline_bounds_a_continuation_whatever_the_record_says(loops):
+    pre, dec = loops["prefill"], loops["decode"]
+    record = json.loads(_handover(pre, "dl1", PROMPT[3:]))
+    record["deadline_in"] = 1e6                        # the record would allow ~11 days
+    q: queue.Queue = queue.Queue()
+    long = SamplingParams(temperature=0, max_tokens=400, min_tokens=400)
+    record["params"] = {**record["params"], "max_tokens": 400, "min_tokens": 400}
+    record["max_tokens"] = 400
+    dec.submit("dl1", PROMPT[3:], long, sink=q, handover=json.dumps(record), deadline=time.monotonic())
+    out = _drain(q)
+    assert out[-1].finished and out[-1].error is not None and len([t for d in out for t in d.new_token_ids]) < 400
+    _wait_for(lambda: dec.engine.kv.stats().num_used_blocks == 0)
