@@ -103,8 +103,12 @@ def absorb(scheduled: list[tuple[Sequence, int]], hidden: torch.Tensor) -> list[
             part = hidden[i:i + num_new].sum(0)
             i += num_new
             # A chunk from token 0 starts the sum again (a preempted request recomputes from 0).
-            seq.pool_sum = part if seq.num_computed_tokens == 0 else seq.pool_sum + part
-            pooled = seq.pool_sum / seq.num_tokens if last else None
+            if seq.num_computed_tokens == 0 or seq.pool_sum is None:
+                assert seq.num_computed_tokens == 0, "a later chunk follows its first"
+                seq.pool_sum = part
+            else:
+                seq.pool_sum = seq.pool_sum + part
+            pooled: torch.Tensor | None = seq.pool_sum / seq.num_tokens if last else None
         elif last:
             pooled = hidden[i]
             i += 1

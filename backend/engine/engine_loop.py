@@ -22,11 +22,11 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from backend.engine.admission import check_queue, duplicate_id, validate_request
 from backend.engine.embedding import validate_embed
-from backend.engine.llm_engine import LLMEngine
+from backend.engine.roles import StepEngine
 from backend.engine.stats import EngineStats
 from backend.errors import EngineError, internal, queue_full, unavailable
 from backend.outputs import STOP, StepDelta
@@ -35,8 +35,11 @@ from backend.sampling_params import SamplingParams
 from backend import timing
 from common import env
 
+if TYPE_CHECKING:
+    from backend.engine.fairness import TenantFairness
+
 log = logging.getLogger(__name__)
-Sink = Callable[[StepDelta], Any] | queue.Queue
+Sink = Callable[[StepDelta], object] | queue.Queue[StepDelta]
 
 
 # -- what the intake queue carries (one stop sentinel) -------------------------------------
@@ -55,8 +58,7 @@ class AddRequest:
 @dataclass(slots=True)
 class AbortRequest:
     request_id: str
-    freed: Future            # resolves to the time.monotonic() instant the blocks were freed, or None
-
+    freed: Future[float | None]   # the time.monotonic() instant the blocks were freed, or None
 
 
 _CRASH = object()            # tests: makes the engine thread raise (EngineLoop.inject_crash)
@@ -76,8 +78,7 @@ ENGINE_NICE_ENV = "TRITON_LLM_ENGINE_NICE"
 
 
 def set_thread_nice(value: int | str) -> None:
-    """The calling thread's nice value. Best effort: without the privilege to lower it, the thread
-    keeps its value."""
+    """The calling thread's nice value; best effort (unprivileged, it cannot be lowered)."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), int(value))
     except (OSError, ValueError) as exc:
@@ -86,17 +87,16 @@ def set_thread_nice(value: int | str) -> None:
 
 def _apply_engine_nice() -> None:
     """On the engine thread: its nice value from ``TRITON_LLM_ENGINE_NICE`` when set (the engine
-    stub's default, backend/serving/tritonserver.py: the serving stack's other processes then
-    preempt the step's pool worker, whose chunks the engine thread takes over, instead of the engine
-    thread itself)."""
+    stub's default: the serving stack's other processes then preempt the step's pool worker, whose
+    chunks the engine thread takes over, instead of the engine thread itself)."""
     value = env.raw(ENGINE_NICE_ENV)
     if value:
         set_thread_nice(value)
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, *, name: str = "engine-loop", fairness=None,
-                 max_open_per_tenant: int = 0):
+    def __init__(self, engine: StepEngine, *, name: str = "engine-loop", fairness: TenantFairness | None = None,
+                 max_open_per_tenant: int = 0) -> None:
         self.engine = engine
         # Tenant fairness (backend/engine/fairness.py): the scheduler's hook, and the per-tenant
         # bound on open requests (running cap + waiting cap) checked here at submit.
@@ -109,7 +109,7 @@ class EngineLoop:
         self.grammars = getattr(engine, "grammars", None)   # structured outputs' compile cache (thread-safe)
         self.healthy = True
         self.error: EngineError | None = None
-        self._intake: queue.Queue = queue.Queue()
+        self._intake: queue.Queue[object] = queue.Queue()   # AddRequest, AbortRequest, STOP, _CRASH
         self._lock = threading.Lock()            # guards the three fields below
         self._open: dict[str, _Open] = {}
         self._queued = 0                        # adds submitted but not applied yet
@@ -154,11 +154,11 @@ class EngineLoop:
             self.fairness.register(request_id, tenant)
         self._intake.put(AddRequest(request_id, prompt_ids, params, stream, salt, priority, deadline, pooling))
 
-    def abort(self, request_id: str, tenant: str | None = None) -> Future:
+    def abort(self, request_id: str, tenant: str | None = None) -> Future[float | None]:
         """Abort between steps. The future resolves to the time.monotonic() instant the request's
         blocks were freed, or None if it was not open (already finished or unknown). With
         ``tenant`` given, only a request of that tenant is aborted (another's counts as unknown)."""
-        fut: Future = Future()
+        fut: Future[float | None] = Future()
         if tenant is not None:
             with self._lock:
                 entry = self._open.get(request_id)
@@ -225,10 +225,9 @@ class EngineLoop:
                         time.sleep(FIRST_TOKEN_HANDOFF_S)
                     audit_due = audit_due or not engine.has_unfinished()
                 elif audit_due:
-                    # Idle for IDLE_AUDIT_DELAY_S: audit the allocator (O(blocks), ~2 ms for 5k
-                    # blocks); a broken invariant stops the loop unhealthy instead of serving from
-                    # a corrupt pool. Not at once: a client's next request (one stream, back to
-                    # back) would wait for it.
+                    # Idle for IDLE_AUDIT_DELAY_S (not at once: a back-to-back next request would
+                    # wait): audit the allocator (O(blocks), ~2 ms for 5k blocks); a broken
+                    # invariant stops the loop unhealthy instead of serving from a corrupt pool.
                     audit_due = False
                     engine.kv.check_integrity()
         except BaseException as exc:        # noqa: BLE001 - the loop must report every failure
@@ -254,7 +253,7 @@ class EngineLoop:
                 raise RuntimeError("injected engine fault (test_fault=crash_engine)")
             if isinstance(cmd, AddRequest):
                 self._add(cmd)
-            else:
+            elif isinstance(cmd, AbortRequest):
                 found = self.engine.abort_request(cmd.request_id)
                 cmd.freed.set_result(time.monotonic() if found else None)
             try:

@@ -24,7 +24,11 @@ from __future__ import annotations
 import heapq
 import time
 from collections import Counter
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from backend.engine.scheduler import Scheduler
+    from backend.engine.sequence import Sequence
 
 
 class TenantFairness:
@@ -34,7 +38,7 @@ class TenantFairness:
         self.aging_s = aging_s
         self._clock = clock
         self._tenant: dict[str, str] = {}       # request id -> tenant (engine thread + submit: dict ops)
-        self._parked: list = []
+        self._parked: list[Sequence] = []
 
     @property
     def active(self) -> bool:
@@ -47,11 +51,11 @@ class TenantFairness:
     def forget(self, request_id: str) -> None:
         self._tenant.pop(request_id, None)
 
-    def tenant_of(self, seq) -> str:
+    def tenant_of(self, seq: Sequence) -> str:
         return self._tenant.get(seq.request.request_id, "")
 
     # -- the scheduler hook ------------------------------------------------------------------
-    def before_admit(self, scheduler) -> None:
+    def before_admit(self, scheduler: Scheduler) -> None:
         """Rewrite ``scheduler._waiting`` (a heap) as described in the module docstring."""
         if not self.active:
             return

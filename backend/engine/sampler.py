@@ -20,10 +20,32 @@ logprobs, no penalties) only the argmax (and the min_tokens mask of the rows tha
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Protocol
+
 import torch
 
 from backend.outputs import TokenLogprob
+from backend.sampling_params import SamplingParams
 from backend.structured.logits import apply_constraints
+
+
+class SampledRow(Protocol):
+    """What the sampler reads of the sequence a row samples for: an engine Sequence, or a
+    speculative view of one (backend/spec/verify.py ``_Ahead``)."""
+    @property
+    def params(self) -> SamplingParams: ...
+    @property
+    def generator(self) -> torch.Generator | None: ...
+    @property
+    def token_ids(self) -> list[int]: ...
+    @property
+    def output_ids(self) -> list[int]: ...
+    @property
+    def num_output_tokens(self) -> int: ...
+
+
+Rows = Sequence[SampledRow]
 
 
 class Sampler:
@@ -33,7 +55,7 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)   # unseeded requests
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, seqs: list, rows: list[int] | None = None
+    def __call__(self, logits: torch.Tensor, seqs: Rows, rows: list[int] | None = None
                  ) -> tuple[list[int], list[TokenLogprob | None]]:
         """logits [R, V] fp32; ``seqs[i]`` samples from row ``rows[i]`` (default: row i).
         Returns token ids and logprobs per sequence."""
@@ -54,11 +76,12 @@ class Sampler:
             tokens = logits.argmax(dim=-1)
         else:
             tokens = self._sample(logits, seqs, greedy)
-        token_list = tokens.tolist()
-        logprobs = self.logprobs(raw_logprobs, tokens, params) if want_lp else [None] * len(seqs)
-        return token_list, logprobs
+        token_list: list[int] = tokens.tolist()
+        if raw_logprobs is None:
+            return token_list, [None] * len(seqs)
+        return token_list, self.logprobs(raw_logprobs, tokens, params)
 
-    def _greedy(self, logits: torch.Tensor, seqs: list) -> list[int]:
+    def _greedy(self, logits: torch.Tensor, seqs: Rows) -> list[int]:
         """Plain greedy rows: one argmax; a row still under min_tokens takes its argmax again
         over its own masked copy (no [R, V] clone for the batch)."""
         tokens = logits.argmax(dim=-1).tolist()
@@ -72,7 +95,7 @@ class Sampler:
         return tokens
 
     # -- logits processors -----------------------------------------------------------------
-    def _penalize(self, logits: torch.Tensor, seqs: list) -> torch.Tensor:
+    def _penalize(self, logits: torch.Tensor, seqs: Rows) -> torch.Tensor:
         rows = [i for i, s in enumerate(seqs) if s.params.presence_penalty or s.params.frequency_penalty
                 or s.params.repetition_penalty != 1.0]
         if not rows:
@@ -93,7 +116,7 @@ class Sampler:
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
         return logits
 
-    def _mask_min_tokens(self, logits: torch.Tensor, seqs: list) -> torch.Tensor:
+    def _mask_min_tokens(self, logits: torch.Tensor, seqs: Rows) -> torch.Tensor:
         rows = [i for i, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens]
         if not rows:
             return logits
@@ -104,18 +127,18 @@ class Sampler:
                 logits[i, stop_ids] = float("-inf")
         return logits
 
-    def _min_tokens_ids(self, p, vocab: int) -> list[int]:
+    def _min_tokens_ids(self, p: SamplingParams, vocab: int) -> list[int]:
         """Tokens that cannot be sampled before min_tokens: every EOS id (also with ignore_eos,
         as transformers' min_new_tokens) and the stop token ids."""
         return [t for t in (*self.eos_token_ids, *p.stop_token_ids) if t < vocab]
 
     # -- sampling --------------------------------------------------------------------------
-    def processed(self, logits: torch.Tensor, seqs: list) -> torch.Tensor:
+    def processed(self, logits: torch.Tensor, seqs: Rows) -> torch.Tensor:
         """Penalties, the min_tokens mask, then logit_bias and the grammar bitmask of structured
         outputs (backend/structured/logits.py): the logits greedy takes its argmax of."""
         return apply_constraints(self._mask_min_tokens(self._penalize(logits, seqs), seqs), seqs)
 
-    def probs(self, logits: torch.Tensor, seqs: list) -> torch.Tensor:
+    def probs(self, logits: torch.Tensor, seqs: Rows) -> torch.Tensor:
         """The distribution a sampled row draws from: processed logits -> temperature -> min-p
         -> top-k -> top-p -> softmax (speculative verification compares drafts against it)."""
         device = logits.device
@@ -141,7 +164,7 @@ class Sampler:
     def uniform(self, generator: torch.Generator | None) -> float:
         return float(torch.rand(1, generator=generator or self.generator))
 
-    def _sample(self, logits: torch.Tensor, seqs: list, greedy: list[bool]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, seqs: Rows, greedy: list[bool]) -> torch.Tensor:
         device = logits.device
         probs = self.probs(logits, seqs)
         q = torch.empty_like(probs)
@@ -158,7 +181,7 @@ class Sampler:
         return sampled
 
     @staticmethod
-    def _top_k_top_p(x: torch.Tensor, params: list) -> torch.Tensor:
+    def _top_k_top_p(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         R, V = x.shape
         sorted_x, idx = x.sort(dim=-1)                        # ascending
         k = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in params], device=x.device)
@@ -173,10 +196,11 @@ class Sampler:
         return torch.empty_like(x).scatter_(1, idx, sorted_x)
 
     @staticmethod
-    def logprobs(raw: torch.Tensor, tokens: torch.Tensor, params: list) -> list[TokenLogprob | None]:
+    def logprobs(raw: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]) -> list[TokenLogprob | None]:
         chosen = raw.gather(1, tokens[:, None]).squeeze(1).tolist()
         k = max(p.logprobs or 0 for p in params)
-        top_vals = top_ids = None
+        top_vals: list[list[float]] = []
+        top_ids: list[list[int]] = []
         if k > 0:
             vals, ids = raw.topk(k, dim=-1)
             top_vals, top_ids = vals.tolist(), ids.tolist()

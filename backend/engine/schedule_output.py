@@ -2,9 +2,16 @@
 (``plan_sampling``), and what ``Scheduler.update_from_output`` changed (``StepOutcome``)."""
 from __future__ import annotations
 
+from collections import abc
 from dataclasses import dataclass, field
 
 from backend.engine.sequence import Request, Sequence
+from backend.outputs import TokenLogprob
+
+# What a step sampled for ``SchedulerOutput.sampling[i]``: one token id, or for a sequence that
+# verified drafts the list of its accepted drafts plus one sampled token; its logprob(s) alike.
+SampledTokens = abc.Sequence[int | list[int]]
+SampledLogprobs = abc.Sequence[TokenLogprob | None | list[TokenLogprob | None]]
 
 
 @dataclass

@@ -25,14 +25,24 @@ from __future__ import annotations
 
 import heapq
 import time
+from typing import TYPE_CHECKING, cast
+
 from backend.engine.embedding import prefix_tokens
-from backend.engine.schedule_output import SchedulerOutput, StepOutcome, plan_sampling
+from backend.engine.schedule_output import (SampledLogprobs, SampledTokens, SchedulerOutput, StepOutcome,
+                                            plan_sampling)
 from backend.engine.sequence import Request, SeqStatus, Sequence
 from backend.errors import EngineError
+from backend.outputs import TokenLogprob
+
+if TYPE_CHECKING:
+    from backend.engine.fairness import TenantFairness
+    from backend.engine.stop_checker import StopChecker
+    from backend.kv_cache.manager import KVCacheManager
 
 
 class Scheduler:
-    def __init__(self, kv, *, max_num_seqs: int, max_num_batched_tokens: int, stop_checker=None):
+    def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 stop_checker: StopChecker | None = None):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -43,6 +53,7 @@ class Scheduler:
         self._waiting: list[Sequence] = []          # heap; finished entries are dropped lazily
         self.num_waiting = 0
         self.num_preemptions = 0
+        self.fairness: TenantFairness | None = None  # tenant caps + aging (engine/fairness.py)
 
     # -- requests --------------------------------------------------------------------------
     def add_request(self, req: Request, *, computed: bool = False) -> None:
@@ -57,7 +68,7 @@ class Scheduler:
             self.add(req.seqs[0])
 
     def expired(self, now: float) -> list[Request]:
-        return [r for r in self._deadlines.values() if r.deadline <= now]
+        return [r for r in self._deadlines.values() if r.deadline is not None and r.deadline <= now]
 
     def finish_request(self, req: Request, reason: str, error: EngineError | None) -> list[Sequence]:
         """Abort / expire / fail every open choice (blocks free on return); returns the choices
@@ -132,15 +143,16 @@ class Scheduler:
             if seq.spec_token_ids and not self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens + num_new):
                 seq.spec_token_ids, seq.spec_probs = [], None     # drafts never cost a preemption
                 num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            fits = True
             while not self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens + num_new):
                 if lo < hi:
                     hi -= 1
                     self._preempt(order[hi], out)
                 else:
                     self._preempt(seq, out)
-                    seq = None
+                    fits = False
                     break
-            if seq is None:
+            if not fits:
                 break
             out.scheduled.append((seq, num_new))
             budget -= num_new
@@ -166,7 +178,7 @@ class Scheduler:
         return num_new
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
-        if getattr(self, "fairness", None) is not None:     # tenant caps + aging (engine/fairness.py)
+        if self.fairness is not None:
             self.fairness.before_admit(self)
         now = time.monotonic()
         seats_used = self._seats_in_use()
@@ -221,7 +233,8 @@ class Scheduler:
         return True
 
     # -- after the step --------------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, tokens: list, logprobs: list) -> StepOutcome:
+    def update_from_output(self, out: SchedulerOutput, tokens: SampledTokens, logprobs: SampledLogprobs
+                           ) -> StepOutcome:
         """The model ran ``out`` and the sampler drew ``tokens`` for ``out.sampling``: advance
         KV progress, register new choices, append tokens, stop and finish.
 
@@ -251,10 +264,11 @@ class Scheduler:
             req = seq.request
             if req.first_token_time is None:
                 req.first_token_time = now
+            # A run's logprobs are a list as long as the run (the pairing mypy cannot follow).
             if isinstance(token, list):
-                self._append_run(seq, token, lp, outcome)
+                self._append_run(seq, token, cast("list[TokenLogprob | None]", lp), outcome)
             else:
-                self._append(seq, token, lp)
+                self._append(seq, token, cast("TokenLogprob | None", lp))
                 outcome.generated_tokens += 1
             if seq.finish_reason is not None:
                 self.finish(seq)
@@ -263,15 +277,17 @@ class Scheduler:
                     self._close(req)
         return outcome
 
-    def _append(self, seq: Sequence, token: int, lp) -> None:
+    def _append(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> None:
         seq.token_ids.append(token)
         if lp is not None:
             seq.logprobs.append(lp)
+        assert self.stop_checker is not None, "update_from_output needs the stop checker"
         self.stop_checker.check(seq, token)
         if seq.grammar is not None:          # structured output: the matcher follows every token
             seq.grammar.advance(seq, token)
 
-    def _append_run(self, seq: Sequence, run: list[int], lps: list, outcome: StepOutcome) -> None:
+    def _append_run(self, seq: Sequence, run: list[int], lps: list[TokenLogprob | None],
+                    outcome: StepOutcome) -> None:
         """Append a verified run token by token, stopping exactly where a stop condition hits
         (the rest of the run is dropped). KV of the rejected drafts is rolled back: the computed
         count covers the old tokens plus the accepted drafts, blocks past the new length are

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from backend.kv_cache.manager import KVCacheStats
+from backend.kv_cache.manager import KVCacheManager, KVCacheStats
 
 if TYPE_CHECKING:
     from backend.engine.schedule_output import SchedulerOutput, StepOutcome
@@ -90,7 +90,7 @@ class StatsRecorder:
             reason = seq.finish_reason or "abort"
             finished[reason] = finished.get(reason, 0) + 1
 
-    def snapshot(self, scheduler: "Scheduler", kv) -> EngineStats:
+    def snapshot(self, scheduler: "Scheduler", kv: KVCacheManager) -> EngineStats:
         kv_stats = kv.stats()
         return replace(self.counters, num_running=len(scheduler.running), num_waiting=scheduler.num_waiting,
                        num_requests=len(scheduler.requests), kv_usage=kv_stats.usage, kv=kv_stats,

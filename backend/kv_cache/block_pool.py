@@ -47,7 +47,7 @@ class FreeBlockQueue:
 
     def popleft(self) -> KVCacheBlock:
         block = self._head.next_free
-        assert block is not self._tail, "free list is empty"
+        assert block is not None and block is not self._tail, "free list is empty"
         self.remove(block)
         return block
 
@@ -59,7 +59,9 @@ class FreeBlockQueue:
         self.num_free -= 1
 
     def append(self, block: KVCacheBlock) -> None:
-        self._insert_after(self._tail.prev_free, block)
+        last = self._tail.prev_free
+        assert last is not None, "the tail sentinel is always linked"
+        self._insert_after(last, block)
 
     def appendleft(self, block: KVCacheBlock) -> None:
         self._insert_after(self._head, block)
@@ -67,13 +69,14 @@ class FreeBlockQueue:
     def _insert_after(self, prev: KVCacheBlock, block: KVCacheBlock) -> None:
         assert block.prev_free is None and block.next_free is None, f"{block} is already free"
         nxt = prev.next_free
+        assert nxt is not None, f"{prev} is not in the free list"
         block.prev_free, block.next_free = prev, nxt
         prev.next_free = nxt.prev_free = block
         self.num_free += 1
 
     def __iter__(self) -> Iterator[KVCacheBlock]:
         b = self._head.next_free
-        while b is not self._tail:
+        while b is not None and b is not self._tail:     # None only past a broken link
             yield b
             b = b.next_free
 
@@ -122,6 +125,7 @@ class BlockPool:
         for _ in range(n):
             block = self.free.popleft()
             if block.block_hash is not None:
+                assert block.key is not None, "a cached block has its key"
                 evicted.append(EvictedBlock(block.block_id, block.block_hash, block.key, block.entry_id))
                 del self.cached[block.block_hash]
                 block.block_hash, block.key, block.entry_id = None, None, 0

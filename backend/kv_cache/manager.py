@@ -86,7 +86,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.offload = OffloadChain(
             block_shape=None if storage is None else storage.block_shape,
-            dtype=storage.dtype if storage is not None else None,
+            dtype=storage.dtype if storage is not None else torch.float32,   # unused: no block_shape
             pin_memory=storage is not None and storage.device.type == "cuda",
             host_blocks=host_tier_blocks if enable_prefix_caching else 0,
             disk_path=disk_tier_path, disk_blocks=disk_tier_blocks if enable_prefix_caching else 0)
@@ -125,15 +125,17 @@ class KVCacheManager:
         # blocks cause push into the tiers and could otherwise push these very entries out.
         contents = [self.offload.pop(h.block_hash)[1] for h in to_swap]
         fresh = iter(self._take(len(to_swap)))
-        blocks = []
+        blocks, swapped_ids = [], []          # swapped_ids: to_swap's new blocks, in its order
         for h in hits:
             if h.block is None:
                 h.block = next(fresh)
                 self.pool.cache(h.block, h.block_hash, h.key, h.entry_id)
+                swapped_ids.append(h.block.block_id)
             blocks.append(h.block)
         if to_swap and self.storage is not None:
-            ids = [h.block.block_id for h in to_swap]
-            self.storage.write_blocks(ids, torch.stack(contents))
+            blobs = [c for c in contents if c is not None]
+            assert len(blobs) == len(contents), "with storage every tier entry holds its content"
+            self.storage.write_blocks(swapped_ids, torch.stack(blobs))
         self._stats.offload_in_blocks += len(to_swap)
         self._stats.offload_in_bytes += len(to_swap) * self._block_bytes
         n = len(hits) * self._block_size
@@ -183,7 +185,7 @@ class KVCacheManager:
             if block.block_hash is not None:
                 # Already cached through another holder of this shared block (fork before commit):
                 # its entry is authoritative for the content, so adopt it as the chain tip.
-                assert block.key[1:] == key[1:], "shared block committed with different tokens"
+                assert block.key is not None and block.key[1:] == key[1:], "shared block committed with different tokens"
                 h, entry_id = block.block_hash, block.entry_id
             else:
                 h = hashing.hash_block(seq.tip_hash, toks, seq.salt)
@@ -292,6 +294,7 @@ class KVCacheManager:
         """(key, entry id) of the entry cached under this hash anywhere, device first."""
         block = self.pool.cached.get(block_hash)
         if block is not None:
+            assert block.key is not None, "a cached block has its key"
             return block.key, block.entry_id
         found = self.offload.find(block_hash) if self.offload else None
         return None if found is None else (found[1].key, found[1].entry_id)

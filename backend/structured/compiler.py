@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from backend.errors import EngineError, invalid_request
 from backend.structured.cache import ByteLRU
 from backend.structured.spec import StructuredSpec
 from backend.structured.worker import BudgetExceeded, CompileWorker, resolve
+
+if TYPE_CHECKING:
+    from backend.structured.matcher import GrammarState
 
 DEFAULT_BUDGET_S = 2.0                   # wall clock from submit to compiled, queue wait included
 DEFAULT_CACHE_BYTES = 256 * 1024 * 1024  # compiled grammars kept, by their memory_size_bytes
@@ -40,7 +43,7 @@ class Grammar:
         self.owner = owner               # the Grammars (vocabulary) it was compiled for
         self.nbytes = nbytes
 
-    def matcher(self):
+    def matcher(self) -> GrammarState:
         from backend.structured.matcher import GrammarState
         return GrammarState(self)
 

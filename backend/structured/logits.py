@@ -20,6 +20,8 @@ the refused draft has probability 0 at its own row, so verification never reache
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
@@ -35,7 +37,7 @@ def needs_constraints(rows: list) -> bool:
     return False
 
 
-def apply_constraints(logits: torch.Tensor, rows: list) -> torch.Tensor:
+def apply_constraints(logits: torch.Tensor, rows: Sequence[object]) -> torch.Tensor:
     """logits [R, V] for ``rows``, biased and masked **in place** (the sampler's own step tensor:
     a copy of a [16, 49152] batch cost more than filling its masks) and returned."""
     biased = [i for i, r in enumerate(rows) if getattr(_base(r)[0].params, "logit_bias", None)]
