@@ -227,15 +227,3 @@ class KVConnector(ABC):
         with self._lock:
             for k, v in inc.items():
                 setattr(self._stats, k, getattr(self._stats, k) + v)
-
-
-def make_connector(args) -> KVConnector:
-    """The connector EngineArgs name (kv_connector; for tcp kv_connector_host / _port and the
-    shared secret read from kv_secret_file)."""
-    if args.kv_connector == "shm":
-        from backend.disagg.shm import SharedMemoryConnector
-        return SharedMemoryConnector()
-    from backend.disagg.tcp import TcpConnector
-    from backend.disagg.secret import load_secret
-    secret = load_secret(args.kv_secret_file) if args.kv_secret_file else None
-    return TcpConnector(args.kv_connector_host, args.kv_connector_port, secret=secret)

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from backend import protocol as P
-from backend.disagg.connector import KVConnector, make_connector
+from backend.disagg.connector import KVConnector
+from backend.disagg.connectors import make_connector
 from backend.disagg.decode import DecodeRole, KVPlacer
 from backend.disagg.handover import Handover
 from backend.disagg.prefill import PrefillRole
