@@ -30,7 +30,7 @@ from backend.structured.worker import BudgetExceeded, CompileWorker, resolve
 if TYPE_CHECKING:
     from backend.structured.matcher import GrammarState
 
-DEFAULT_BUDGET_S = 2.0                   # wall clock from submit to compiled, queue wait included
+DEFAULT_BUDGET_S = 5.0                   # wall clock from submit to compiled, queue wait included
 DEFAULT_CACHE_BYTES = 256 * 1024 * 1024  # compiled grammars kept, by their memory_size_bytes
 
 

@@ -6,7 +6,7 @@ thread ticking every 1 ms saw gaps of at most 9 ms during a 2 s compile), so a t
 the engine thread keeps stepping while a grammar compiles, and the result needs no serializing.
 
     submit(key, fn) -> Future    one per waiting request; waiters of one key share one compile
-    [grammar-compile]  runs jobs in arrival order, niced (+10): the engine thread goes first;
+    [grammar-compile]  runs jobs in arrival order, niced (+5): the engine thread goes first,
                        a job whose waiters all ran out of budget while it queued is skipped
     [grammar-deadline] fails each waiter ``budget_s`` after it was submitted (BudgetExceeded)
 
@@ -28,7 +28,7 @@ from concurrent.futures import Future, InvalidStateError
 from typing import Any, Callable, Hashable
 
 log = logging.getLogger(__name__)
-WORKER_NICE = 10
+WORKER_NICE = 5          # not more: on a host shared with other jobs a +10 thread starves
 
 
 class BudgetExceeded(Exception):

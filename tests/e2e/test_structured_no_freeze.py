@@ -6,7 +6,7 @@ While 8 requests with distinct slow-to-compile regexes arrive over 4 s, an uncon
 largest gap between chunks stays under 0.5 s, and every constrained request gets an answer: 200
 (compiled within the budget) or 400 naming ``guided_regex`` (not within it). Each regex unrolls
 into 2,000 grammar positions of ``.``, the most the caps allow (backend/structured/caps.py):
-seconds of compile per regex here, and at least the 2 s budget's worth of work in total on any
+seconds of compile per regex here, and at least the 5 s budget's worth of work in total on any
 host, so the compile worker is busy for the whole window. The unconstrained side streams
 back-to-back for as long as any constrained request is unanswered, so every gap it measures lies
 inside that window whatever the host's speed.
