@@ -18,6 +18,7 @@ import uuid
 from fastapi import FastAPI
 
 from client.errors import TritonLLMError
+from client.interface import LLMClient
 from client.shim.anthropic import AnthropicErrors
 from client.shim.anthropic import router as anthropic_router
 from client.shim.auth import KeyFirst, KeyStore
@@ -35,7 +36,7 @@ from client.shim.tenants import InFlight
 log = logging.getLogger("triton_llm.shim")
 
 
-def create_app(settings: ShimSettings | None = None, *, client=None) -> FastAPI:
+def create_app(settings: ShimSettings | None = None, *, client: LLMClient | None = None) -> FastAPI:
     settings = settings or ShimSettings()
     if not settings.model_name:                 # the chat page reads settings.model_name
         settings = dataclasses.replace(settings, model_name=settings.served_model)

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from backend import protocol as P
 from client.errors import TritonLLMError
+from client.interface import EmbeddingClient
 from client.shim import limits as L
 from client.shim.errors import OpenAIError, from_llm_error, model_not_found
 from client.shim.generation import ClientDisconnected, until_disconnect
@@ -108,7 +109,7 @@ async def embeddings(body: EmbeddingRequest, request: Request, key: KeyPolicy = 
                          "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
 
-async def _embed_all(client, inputs: list, params: dict, rid: str) -> list[tuple[list[float], int]]:
+async def _embed_all(client: EmbeddingClient, inputs: list, params: dict, rid: str) -> list[tuple[list[float], int]]:
     """Every input's (vector, tokens) in order; the first failure cancels the rest (each cancelled
     request is aborted in the engine by the client) and is raised."""
     gate = asyncio.Semaphore(CONCURRENCY)
