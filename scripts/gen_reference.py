@@ -71,7 +71,6 @@ NOTES = {
     "RAY_AUTH_TOKEN": "Ray's auth token (joining a cluster needs it or its path)",
     "RAY_AUTH_TOKEN_PATH": "file holding Ray's auth token",
     "LLM_TTFT_TRACE": "folder: record first-token timestamps per process (lab trace)",
-    "LLM_DISAGG_TRACE": "folder: the decode engine records each step (lab trace)",
     "TRITON_INTERPRET": "1: Triton kernels run in the interpreter (no GPU)",
     "PYTHONPATH": "with bench/attach on it, the lab serves the checkout it names (`overhead_ab NAME@tree=DIR`)",
     "CC": "C compiler for the CPU kernels (else cc, gcc, clang)",

@@ -5,15 +5,21 @@ basis: at most once per ``cancel_check_interval`` when the request sends (``ense
 for a step of the ``llm`` ensemble, which Triton never tells about a cancel: its clients send an
 explicit abort), and by the sweep (every ``sweep_interval``, or the request's own longer interval)
 when it sends nothing. A cancel seen is aborted in the engine at once, so the request's blocks are
-free before the engine's next step. Runs on the response thread only.
+free before the engine's next step. An explicit abort (a control request) is answered here too.
+Runs on the response thread only.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Iterable
 
 from backend import protocol as P
-from backend.serving.latency import ABORT_TO_FREE
-from backend.serving.messages import RequestHandle
+from backend.serving.latency import ABORT_TO_FREE, LatencyRecorder
+from backend.serving.messages import ControlAnswered, RequestHandle
+from backend.serving.responses import control_outputs
+from backend.serving.tombstones import AbortTombstones
+
+log = logging.getLogger(__name__)
 
 CANCEL_CHECK_INTERVAL = 0.02    # s; at the 16-stream goal rate (~20 ms a token) about every other send
 ENSEMBLE_CANCEL_CHECK = 1.0     # s; steps of the llm ensemble (Triton does not tell them about cancels)
@@ -67,3 +73,20 @@ class CancelWatch:
         for h in list(open_requests):
             if not h.done and not h.cancelled and now - h.last_check >= max(self.sweep_interval, h.cancel_every):
                 self.check(h, now)
+
+    @staticmethod
+    def answer_control(msg: ControlAnswered, tombstones: AbortTombstones, latency: LatencyRecorder) -> None:
+        """The engine answered an explicit abort (a control request): tell its sender whether the
+        request was running, and drop the tombstone of one that was (or had finished)."""
+        try:
+            freed = msg.freed.result()
+        except Exception:                   # noqa: BLE001 - the engine is gone: nothing was freed
+            freed = None
+        if freed is not None or tombstones.has_finished(msg.target):
+            tombstones.clear(msg.target)    # it was running (or already done): no tombstone
+        if freed is not None:
+            latency.abort_freed(freed - msg.seen)
+        try:
+            msg.responder.send(control_outputs(freed is not None), final=True)
+        except Exception:                   # noqa: BLE001 - the control client went away
+            log.debug("abort control answer for %s not delivered", msg.target)

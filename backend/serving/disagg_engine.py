@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -37,10 +35,8 @@ from backend.disagg.connectors import make_connector
 from backend.disagg.decode import DecodeRole, KVPlacer
 from backend.disagg.handover import Handover
 from backend.disagg.prefill import PrefillRole
-from backend.disagg.trace import StepTrace
 from backend.engine.admission import duplicate_id
-from backend.engine.engine_loop import EngineLoop, set_thread_nice
-from backend.serving.disagg_metrics import mute_metrics
+from backend.engine.engine_loop import EngineLoop
 from backend.errors import invalid_request
 from backend.outputs import StepDelta
 
@@ -64,7 +60,7 @@ class _Wrapped:
 # How often the response thread asks Triton whether a role's client went away (IPC round trips
 # between the sends): the router (client/disagg_client.py) sends an explicit abort to both servers
 # whenever a stream ends early, so once a second is enough, as for the llm ensemble's steps.
-# Measured on the decode server (bench_stack isolate vs isolate+cancel=1.0, one run): ITL p50
+# Measured on the decode server (once a second vs every send, one run): ITL p50
 # 9.1 -> 8.0 ms, p99 17.5 -> 16.1 ms, tokens/s +5 %; is_cancelled() was 11 % of the response
 # thread's samples (py-spy). build_engine_service passes it to the EngineService.
 ROLE_CANCEL_CHECK_INTERVAL = 1.0
@@ -111,7 +107,7 @@ class PrefillEngine(_Wrapped):
 def name_os_threads() -> int:
     """Give this process's Python threads their names at the OS level too (/proc/self/task/<tid>/comm,
     15 characters): Python 3.11 leaves every thread of a stub named ``triton_python_b``, so neither
-    ``top -H`` nor bench_stack's per-thread CPU line could tell the engine thread from the response thread."""
+    ``top -H`` could tell the engine thread from the response thread."""
     n = 0
     for t in threading.enumerate():
         tid = getattr(t, "native_id", None)
@@ -124,47 +120,6 @@ def name_os_threads() -> int:
         except OSError:
             pass
     return n
-
-
-def apply_knobs(knobs: dict) -> None:
-    """Process-wide settings a traced bench flips between rounds (backend/disagg/trace.py control)."""
-    if "switch_interval" in knobs:
-        sys.setswitchinterval(float(knobs["switch_interval"]))
-    if "cancel_check_interval" in knobs:        # A/B only: the response thread's is_cancelled() period
-        for t in threading.enumerate():
-            rt = getattr(getattr(t, "_target", None), "__self__", None)
-            if t.name == "llm-responses" and hasattr(rt, "cancel_check_interval"):
-                rt.cancel_check_interval = float(knobs["cancel_check_interval"])   # requests opened from now on
-    if "response_senders" in knobs:             # A/B: sender threads of the response thread (new requests)
-        for t in threading.enumerate():
-            rt = getattr(getattr(t, "_target", None), "__self__", None)
-            if t.name == "llm-responses" and hasattr(rt, "senders"):
-                rt.senders = max(0, int(knobs["response_senders"]))
-    if "metrics_ipc" in knobs:                  # A/B only: 0 = no metric IPC from this stub (see mute_metrics)
-        mute_metrics(not int(knobs["metrics_ipc"]))
-    if "offcore" in knobs:                      # A/B only: these threads (OS names, '/') off the engine's cpus
-        mine = os.sched_getaffinity(0)              # the engine thread's
-        other = set(range(os.cpu_count() or 1)) - mine or mine
-        names = set(str(knobs["offcore"]).split("/"))
-        for t in threading.enumerate():
-            if t.native_id is not None and t.name in names:
-                try:
-                    os.sched_setaffinity(t.native_id, other)
-                except OSError:
-                    pass
-        for t in threading.enumerate():
-            if t.native_id is not None and t.name not in names and t.name in _OFFCORE_SEEN:
-                try:
-                    os.sched_setaffinity(t.native_id, mine)
-                except OSError:
-                    pass
-        _OFFCORE_SEEN.update(names)
-    if "step_nice" in knobs:                    # this (the engine) thread's nice value
-        set_thread_nice(knobs["step_nice"])
-    log.warning("decode knobs now %s (switch interval %.4f s)", knobs, sys.getswitchinterval())
-
-
-_OFFCORE_SEEN: set = set()
 
 
 ADMIT_PER_STEP = 2                  # hand-overs admitted per decode step while streams are running
@@ -184,9 +139,6 @@ class DecodeEngine(_Wrapped):
         self.records: dict[str, Handover] = {}      # submitted, not applied by the engine thread yet
         self._staged_at: dict[str, float] = {}
         self.handover_seconds: collections.deque = collections.deque(maxlen=4096)   # for RoleMetrics
-        self.trace = StepTrace.from_env("decode")    # LLM_DISAGG_TRACE=<dir>: backend/disagg/trace.py
-        if self.trace is not None:
-            self.trace.time_sends()
         self._named = False
 
     def add_request(self, request_id: str, prompt_token_ids, params=None, **kw) -> None:
@@ -207,19 +159,7 @@ class DecodeEngine(_Wrapped):
         if not self._named:
             self._named = True
             name_os_threads()                       # the engine and response threads exist by now
-        if self.trace is None:
-            return self._step()
-        knobs = self.trace.control()
-        if knobs:
-            apply_knobs(knobs)
-            if "admit_async_min_blocks" in knobs:     # A/B: a huge value = every fetch inside the step
-                self.role.async_min_blocks = int(knobs["admit_async_min_blocks"])
-        t0 = time.monotonic()
-        running = len(self._engine.scheduler.running)
-        deltas = self._step()
-        t1 = time.monotonic()
-        self.trace.step(t0, self._admitted_at, t1, running, self._admitted_n, deltas)
-        return deltas
+        return self._step()
 
     def _step(self) -> list[StepDelta]:
         # a burst of records is admitted over several steps, so no single step stalls the streams
@@ -233,8 +173,6 @@ class DecodeEngine(_Wrapped):
                 t = self._staged_at.pop(d.request_id, None)
                 if t:
                     self.handover_seconds.append(max(0.0, now - t))
-        if self.trace is not None:
-            self._admitted_at, self._admitted_n = time.monotonic(), len(admitted)
         return admitted + (self._engine.step() if self._engine.has_unfinished() else [])
 
     def abort_request(self, request_id: str) -> bool:
@@ -252,8 +190,6 @@ class DecodeEngine(_Wrapped):
         if self.placer is not None:
             self.placer.close()
         self.connector.close()
-        if self.trace is not None:
-            self.trace.close()
 
 
 class DecodeLoop(EngineLoop):

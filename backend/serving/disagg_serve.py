@@ -8,7 +8,7 @@ between them with client/disagg_client.py (docs/disaggregation.md).
                     fresh secret (a 0600 file in a 0700 temporary directory, kv_secret_file) unless
                     one is given, so the TCP connector is authenticated (docs/disaggregation.md)
 
-``DisaggServers`` is the reusable part (tests and backend/disagg/bench_stack.py start the pair with
+``DisaggServers`` is the reusable part (tests and bench/disagg_stack.py start the pair with
 it); where its threads run is backend/serving/disagg_layout.py (``apply_layout``, default
 ``isolate``: the decode engine alone on its CPUs, docs/disaggregation.md "CPU layout").
 """
@@ -24,7 +24,6 @@ import tempfile
 import threading
 
 from backend.serving.disagg_layout import LAYOUTS, apply_layout, parse_cpus
-from backend.serving.disagg_layout import pin_tree, sched_tree, tree_pids  # noqa: F401 - bench_stack imports them here
 from backend.serving.tritonserver import ServerStartError, TritonServer
 
 

@@ -10,8 +10,7 @@ client cancel once the engine confirmed the abort, and at shutdown. After ``STOP
 gone and ``post`` answers a late message itself, so a request submitted during shutdown still gets
 its one FINAL.
 
-Cancels are noticed by ``cancel_watch.CancelWatch``; how long a streamed choice's tokens may wait
-to be gathered into one response is ``hold_policy.HoldPolicy``'s call.
+Cancels and explicit aborts: ``cancel_watch.py``; how long tokens wait to be gathered: ``hold_policy.py``.
 
 Text: with a ``detokenizer`` (backend/serving/postprocess.py ``Postprocessor``) the thread also
 turns each delta into its text delta (and OpenAI-shaped logprobs) when the caller requested
@@ -21,7 +20,6 @@ caller requested are built. A detokenization failure ends that request with an i
 """
 from __future__ import annotations
 
-import collections
 import logging
 import queue
 import threading
@@ -37,7 +35,7 @@ from backend.serving.hold_policy import BUSY_HOLD_MAX, BUSY_HOLD_STEPS, BUSY_STR
 from backend.serving.latency import LatencyRecorder
 from backend.serving.messages import (STOP, ControlAnswered, DeltaArrived, Held, Message, Opened,
                                       Rejected, RequestHandle)
-from backend.serving.responses import control_outputs, engine_outputs, wants_text
+from backend.serving.responses import engine_outputs, wants_text
 from backend.serving.tombstones import AbortTombstones
 from backend import timing
 
@@ -46,19 +44,10 @@ log = logging.getLogger(__name__)
 MAX_DRAIN = 4096                # messages taken per step (bounds one step's latency under a flood)
 
 
-# (start, wall seconds) of every send while a trace collects them (backend/disagg/trace.py sets a
-# deque here and drains it); None: not timed
-SEND_TIMES: "collections.deque | None" = None
-
-
 def _send_one(h: RequestHandle, outputs: dict | None, error: EngineError | None, final: bool) -> None:
     if timing.hook is not None:
         timing.mark(h.rid, "rt.send0")
-    times = SEND_TIMES
-    t0 = time.monotonic() if times is not None else 0.0
     h.responder.send(outputs, error=error, final=final)
-    if times is not None:
-        times.append((t0, time.monotonic() - t0))
     if timing.hook is not None:
         timing.mark(h.rid, "rt.sent0")
 
@@ -209,7 +198,7 @@ class ResponseThread:
             self.latency.rejected(wire_kind(msg.error))
             self._finish(msg.handle, error=msg.error)
         elif isinstance(msg, ControlAnswered):
-            self._on_control(msg)
+            self.cancels.answer_control(msg, self.tombstones, self.latency)
         else:
             raise TypeError(f"not a response-queue message: {msg!r}")
 
@@ -286,20 +275,6 @@ class ResponseThread:
             self._done(h)
             if d.finish_reason in ("stop", "length"):
                 self.latency.completed(h, now)
-
-    def _on_control(self, msg: ControlAnswered) -> None:
-        try:
-            freed = msg.freed.result()
-        except Exception:                   # noqa: BLE001 - the engine is gone: nothing was freed
-            freed = None
-        if freed is not None or self.tombstones.has_finished(msg.target):
-            self.tombstones.clear(msg.target)   # it was running (or already done): no tombstone
-        if freed is not None:
-            self.latency.abort_freed(freed - msg.seen)
-        try:
-            msg.responder.send(control_outputs(freed is not None), final=True)
-        except Exception:                   # noqa: BLE001 - the control client went away
-            log.debug("abort control answer for %s not delivered", msg.target)
 
     def _finish(self, h: RequestHandle, *, error: EngineError | None = None, abort_rest: bool = False) -> None:
         """Send the request's one FINAL (with an error response if given)."""

@@ -1,6 +1,6 @@
 """Disaggregated vs unified serving, side by side in one run, through real tritonservers (issue 21).
 
-    .venv/bin/python -m backend.disagg.bench_stack --preset bench-15m --seconds 24 --rounds 2 \
+    .venv/bin/python -m bench.disagg_stack --preset bench-15m --seconds 24 --rounds 2 \
         --burst-len 512 --burst-every 6 --layouts unified,isolate,split,stubs
 
 Layouts, same two cores (``--layouts``, comma-separated, each run every round in that order):
@@ -24,40 +24,28 @@ later one), the bursts' TTFT p50/p99, generated tokens/s, and the CPU seconds ea
 processes used. Layouts alternate per round (A/B/A/B), all servers started up front; each layout
 gets its own random prompts (the layouts share one pair: repeated prompts would be prefix hits).
 
-``--trace DIR``: the decode server records its steps and GC pauses, this client every token's
-arrival, and each disaggregated round prints where its ITL went (backend/disagg/trace.py: engine
-vs delivery, step time by batch size, admission, GC). With it, ``layout+knob=value[,knob=value]``
-A/Bs decode-process settings in one run, e.g. ``isolate,isolate+cancel=1.0`` (several: joined by
-``&``, e.g. ``isolate+metrics=0&offcore=llm-responses``): ``si`` (GIL switch
-interval, s), ``cancel`` (the response thread's is_cancelled() period, s), ``nice`` (the step
-thread's nice), ``senders`` (the response thread's sender threads for requests opened from then on, 0 = it sends
-inline; backend/serving/response_thread.py; run Q's ``sendoff=1``, the senders on the other cpus, was
-removed after that run: it reproduces at commit ``f7535dc``), ``async`` (hand-overs of at least this many blocks are placed off the step; 8 by
-default, ``isolate+async=100000``: every KV fetch and write inside the step, as before). (Run P3's
-``yield`` knob was removed after that run: it hooked the response thread's private methods.) A layout
-without knobs gets the stub's own settings (``DEFAULT_KNOBS``). This client's heap is frozen after start-up (``--client-gc``): its own full
-collections (up to 240 ms) would otherwise be counted as ITL.
+This client's heap is frozen after start-up (``--client-gc``): its own full collections (up to
+240 ms) would otherwise be counted as ITL. (The decode-step trace and the ``layout+knob`` A/Bs of
+issue 21's runs reproduce at commit ``9d8fea3``.)
 
-Engine options per layout: ``layout~key=value[~key=value]`` (no --trace needed) runs that layout on
+Engine options per layout: ``layout~key=value[~key=value]`` runs that layout on
 its own server(s) started with those engine options on top of the bench's, e.g.
 ``--layouts isolate,isolate~kv_cache_dtype=fp16,unified,unified~kv_cache_dtype=fp16`` (``~env.NAME=VALUE``:
-that environment variable for the layout's servers, e.g. ``unified~env.TRITON_LLM_RESPONSE_SENDERS=0``; one more
-pair / unified server per distinct option set, all started up front; knobs go after: ``isolate~kv_cache_dtype=fp16+si=0.001``).
+that environment variable for the layout's servers, e.g. ``unified~env.TRITON_LLM_HUGE_PAGES=0``; one more
+pair / unified server per distinct option set, all started up front).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import statistics
 import time
 
-from backend.serving.disagg_serve import LAYOUTS, DisaggServers, pin_tree, sched_tree
+from backend.serving.disagg_layout import LAYOUTS, parse_cpus, pin_tree, sched_tree, tree_pids
+from backend.serving.disagg_serve import DisaggServers
 from backend.serving.process_group import scoped_environ
-from backend.serving.engine_service import STUB_SWITCH_INTERVAL_S
-from backend.serving.response_thread import default_senders
 from backend.serving.tritonserver import TritonServer
 from client.disagg_client import DisaggLLMClient
 from client.triton_client import TritonLLMClient
@@ -76,7 +64,6 @@ async def run_phase(client, a, seed: int, tag: str = "") -> dict:
     rng = random.Random(f"{seed}-{tag}")
     itl: list[float] = []
     ttft: list[float] = []
-    arrivals: list[tuple[str, int, float]] = []      # --trace: (request id, tokens, arrival)
     tokens = 0
     t_start = time.monotonic()
     t_measure = t_start + a.warmup
@@ -98,8 +85,6 @@ async def run_phase(client, a, seed: int, tag: str = "") -> dict:
                 async for ch in agen:
                     now = time.monotonic()
                     m = len(ch.token_ids)
-                    if m and a.trace:
-                        arrivals.append((ch_rid, m, now))
                     if m and now >= t_measure and now < t_end:
                         tokens += m
                         if last is not None:
@@ -138,18 +123,8 @@ async def run_phase(client, a, seed: int, tag: str = "") -> dict:
 
     await asyncio.gather(bursts(), *(stream(k) for k in range(a.streams)))
     await client.close()
-    if a.trace:
-        with open(os.path.join(a.trace, f"client-{seed}-{os.getpid()}-{t_start:.0f}.jsonl"), "w") as f:
-            f.write("".join(json.dumps({"rid": r, "n": m, "t": t}) + "\n" for r, m, t in arrivals))
-    return {"window": (t_measure, t_end), "itl_p50": pct(itl, 0.5), "itl_p99": pct(itl, 0.99), "ttft_p50": pct(ttft, 0.5),
+    return {"itl_p50": pct(itl, 0.5), "itl_p99": pct(itl, 0.99), "ttft_p50": pct(ttft, 0.5),
             "ttft_p99": pct(ttft, 0.99), "tok_s": tokens / a.seconds, "n_itl": len(itl), "n_ttft": len(ttft)}
-
-
-# what a layout without +knobs gets: the engine stub's switch interval, the roles' own cancel-check period
-DEFAULT_KNOBS = {"switch_interval": STUB_SWITCH_INTERVAL_S, "cancel_check_interval": 1.0, "admit_async_min_blocks": 8,
-                 "metrics_ipc": 1, "offcore": "none", "response_senders": default_senders()}
-KNOB_ALIASES = {"si": "switch_interval", "nice": "step_nice", "cancel": "cancel_check_interval",
-                "async": "admit_async_min_blocks", "metrics": "metrics_ipc", "senders": "response_senders"}
 
 
 async def warm_up(client) -> None:
@@ -162,8 +137,6 @@ async def warm_up(client) -> None:
 
 def tree_cpu(pids: list[int]) -> float:
     """CPU seconds (user + sys) of the processes and their descendants so far."""
-    from backend.serving.disagg_serve import tree_pids
-
     tick, total = os.sysconf("SC_CLK_TCK"), 0.0
     for p in tree_pids(pids):
         try:
@@ -173,30 +146,6 @@ def tree_cpu(pids: list[int]) -> float:
         except (OSError, ValueError, IndexError):
             pass
     return total
-
-
-def thread_cpu(pids: list[int]) -> str:
-    """CPU seconds so far of each named thread (comm) of the processes' trees, busiest first."""
-    from backend.serving.disagg_serve import tree_pids
-
-    tick, per = os.sysconf("SC_CLK_TCK"), {}
-    for p in tree_pids(pids):
-        try:
-            tids = os.listdir(f"/proc/{p}/task")
-        except OSError:
-            continue
-        for tid in tids:
-            try:
-                with open(f"/proc/{p}/task/{tid}/comm") as f:
-                    name = f.read().strip()
-                with open(f"/proc/{p}/task/{tid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            key = f"{p}:{name}"
-            per[key] = per.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / tick
-    top = sorted(per.items(), key=lambda kv: -kv[1])[:12]
-    return "thread CPU s (cumulative): " + ", ".join(f"{k}={v:.1f}" for k, v in top)
 
 
 def main() -> None:
@@ -219,8 +168,6 @@ def main() -> None:
     ap.add_argument("--burst-every", type=float, default=4.0)
     ap.add_argument("--cpus", default="0:1", help="PREFILL:DECODE cores; unified gets both")
     ap.add_argument("--connector", default="shm", choices=["shm", "tcp"])
-    ap.add_argument("--trace", metavar="DIR", help="trace the decode engine's steps and the client's "
-                    "arrivals into DIR and split each disaggregated round's ITL (backend/disagg/trace.py)")
     ap.add_argument("--client-gc", default="freeze", choices=["freeze", "default"],
                     help="freeze (default): gc.freeze() this client's heap (torch, tritonclient...) once the "
                          "servers are up, so that its own full collections (100-250 ms measured) do not "
@@ -230,28 +177,18 @@ def main() -> None:
     a = ap.parse_args()
     layouts = a.layouts.split(",")
     for lay in layouts:
-        lay, _, knobs = lay.partition("+")
         lay = lay.split("~")[0]
-        if knobs and not a.trace:
-            ap.error(f"{lay}+{knobs}: knobs need --trace (the decode engine reads them from its trace dir)")
         if lay != "unified" and lay not in LAYOUTS:
             ap.error(f"unknown layout {lay!r}")
-    from backend.serving.disagg_serve import parse_cpus
     from tests.conftest import model_dir
 
     cpus = parse_cpus(a.cpus)
-    if a.trace:
-        from backend.disagg.trace import ENV
-        os.makedirs(a.trace, exist_ok=True)
-        os.environ[ENV] = a.trace                    # the decode server inherits it
-        from backend.disagg.trace import StepTrace
-        StepTrace(a.trace, name="clientgc")          # this process's GC pauses
     path = model_dir(a.preset)
     opts = {"num_kv_blocks": "1024", "block_size": "16", "max_num_seqs": "32", "max_num_batched_tokens": "512",
             "kv_connector": a.connector}
     def eng_opts(layout: str) -> tuple[str, tuple]:
-        """'isolate~k=v~k2=v2+knobs' -> ('isolate', (('k', 'v'), ('k2', 'v2')))"""
-        head = layout.partition("+")[0].split("~")
+        """'isolate~k=v~k2=v2' -> ('isolate', (('k', 'v'), ('k2', 'v2')))"""
+        head = layout.split("~")
         return head[0], tuple(sorted(tuple(x.split("=", 1)) for x in head[1:]))
 
     unifieds: dict[tuple, TritonServer] = {}
@@ -303,14 +240,7 @@ def main() -> None:
                     client = TritonLLMClient(unified.grpc_url)
                     procs = [unified.proc.pid]
                 else:
-                    base, _, knobs = layout.partition("+")
-                    base, pair = base.split("~")[0], pairs[extra]
-                    if a.trace:                      # e.g. isolate+switch_interval=0.001
-                        kv = {KNOB_ALIASES.get(k, k): v for k, v in (x.split("=") for x in knobs.split("&") if x)}
-                        for k, v in DEFAULT_KNOBS.items():
-                            kv.setdefault(k, v)
-                        with open(os.path.join(a.trace, "control.json"), "w") as f:
-                            json.dump(kv, f)
+                    base, pair = base_layout, pairs[extra]
                     pair.place(base, others=(me,))
                     client = DisaggLLMClient(pair.prefill.grpc_url, pair.decode.grpc_url)
                     procs = [s.proc.pid for s in pair.servers]
@@ -319,15 +249,8 @@ def main() -> None:
                 res["cpu_s"] = tree_cpu(procs) - cpu0
                 me1 = os.times()
                 res["client_cpu_s"] = me1.user + me1.system - me0.user - me0.system
-                window = res.pop("window")
                 results[layout].append(res)
                 print(f"round {r} {layout:8} " + " ".join(f"{k}={v:.4g}" for k, v in res.items()), flush=True)
-                if a.trace:
-                    print(thread_cpu(procs), flush=True)
-                if a.trace and base_layout != "unified":
-                    from backend.disagg.trace import format_report, report
-                    time.sleep(1.5)                  # the decode server's trace flushes every second
-                    print(format_report(report(a.trace, window, prefix=f"s{r}{layout}-")), flush=True)
     finally:
         for server in [*unifieds.values(), *pairs.values()]:
             server.stop()
