@@ -17,6 +17,7 @@ import uuid
 from typing import Any, Callable
 
 from backend import protocol as P
+from backend.engine.roles import takes_handover
 from backend.errors import EngineError, invalid_request, unavailable
 from backend.outputs import StepDelta
 from backend.serving.errors import as_engine_error
@@ -78,7 +79,7 @@ class Intake:
         extra = {}
         record = params.get(P.HANDOVER)         # a continuation (prefill/decode disaggregation)
         if record not in (None, ""):
-            if not getattr(self.loop, "accepts_handover", False):
+            if not takes_handover(self.loop):
                 raise invalid_request(P.HANDOVER, "this engine takes no hand-overs (it is not role=decode)")
             extra["handover"] = str(record)
         if settings.pooling is not None:        # an embedding request: one final, the vector

@@ -1,8 +1,6 @@
 """Each client the shim can serve through satisfies client/interface.py's Protocols, member by
 member: present, async exactly when the Protocol's member is, and callable the way the shim calls
 it (every Protocol parameter accepted with the same kind; any extra parameter has a default)."""
-import inspect
-
 import pytest
 
 from backend.scale.serve_client import ServeClient
@@ -10,39 +8,9 @@ from client.disagg_client import DisaggLLMClient
 from client.fake_client import FakeLLMClient
 from client.interface import EmbeddingClient, LLMClient, WeightsInfoClient
 from client.triton_client import TritonLLMClient
+from tests.unit.protocol_check import mismatches
 
 CLIENTS = [TritonLLMClient, DisaggLLMClient, ServeClient, FakeLLMClient]
-
-
-def _members(proto: type) -> list[str]:
-    return sorted(n for n, v in vars(proto).items() if inspect.isfunction(v) and not n.startswith("_"))
-
-
-def mismatches(cls: type, proto: type) -> list[str]:
-    """Why ``cls`` does not satisfy ``proto`` (empty when it does)."""
-    bad = []
-    for name in _members(proto):
-        impl = getattr(cls, name, None)
-        if impl is None:
-            bad.append(f"{name}: missing")
-            continue
-        want = getattr(proto, name)
-        if inspect.iscoroutinefunction(want) != inspect.iscoroutinefunction(impl):
-            bad.append(f"{name}: async in one, not the other")
-        have = inspect.signature(impl).parameters
-        wanted = inspect.signature(want).parameters
-        for p in wanted.values():
-            q = have.get(p.name)
-            if q is None:
-                bad.append(f"{name}: no parameter {p.name!r}")
-            elif q.kind != p.kind and not (p.kind is p.KEYWORD_ONLY and q.kind is q.POSITIONAL_OR_KEYWORD):
-                bad.append(f"{name}: {p.name!r} is {q.kind.description}, wanted {p.kind.description}")
-            elif p.default is not p.empty and q.default is q.empty:
-                bad.append(f"{name}: {p.name!r} needs a default")
-        for q in have.values():
-            if q.name not in wanted and q.kind not in (q.VAR_POSITIONAL, q.VAR_KEYWORD) and q.default is q.empty:
-                bad.append(f"{name}: extra parameter {q.name!r} without a default")
-    return bad
 
 
 @pytest.mark.parametrize("cls", CLIENTS, ids=lambda c: c.__name__)
