@@ -53,8 +53,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if getattr(args, "disagg", False):                # prefill/decode disaggregation (docs/disaggregation.md)
         from backend.serving.disagg_serve import serve_disagg
         return serve_disagg(args)
-    if getattr(args, "replicas", None):               # scale-out: Ray Serve (backend/scale)
-        from backend.scale.run import serve_replicas
+    if getattr(args, "replicas", None):               # scale-out: Ray Serve (triton_llm/scale)
+        from triton_llm.scale.run import serve_replicas
         return serve_replicas(args)
     return serve_main(args)
 
@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="let the shim serve without API keys on a --host beyond loopback (it refuses "
                          "otherwise): anyone who reaches the port uses the model")
     sv.add_argument("--workdir", default=None, help="where the generated model repository and logs go")
-    from backend.scale.run import add_arguments as add_scale_arguments
+    from triton_llm.scale.run import add_arguments as add_scale_arguments
     add_scale_arguments(sv)
     from backend.serving.disagg_serve import add_arguments as add_disagg_arguments
     add_disagg_arguments(sv)

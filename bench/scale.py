@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
-    from backend.scale.app import ScaleConfig, build_app
+    from triton_llm.scale.app import ScaleConfig, build_app
     from backend.serving.process_group import free_port
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -87,7 +87,7 @@ def run(a) -> dict:
     import ray
     from ray import serve
 
-    from backend.scale.app import ScaleConfig, build_app
+    from triton_llm.scale.app import ScaleConfig, build_app
     from backend.serving.process_group import free_port
 
     opts = dict(o.split("=", 1) for o in a.engine_option)

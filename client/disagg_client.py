@@ -34,7 +34,7 @@ __all__ = ["DisaggLLMClient"]
 class DisaggLLMClient:
     def __init__(self, prefill: str | Any, decode: str | Any, **kw: Any) -> None:
         """Each side a gRPC URL (a TritonLLMClient is made with ``kw``) or a client object with
-        TritonLLMClient's interface (Ray Serve: backend/scale/serve_client.py ServeClient)."""
+        TritonLLMClient's interface (Ray Serve: triton_llm/scale/serve_client.py ServeClient)."""
         self.prefill = TritonLLMClient(prefill, **kw) if isinstance(prefill, str) else prefill
         self.decode = TritonLLMClient(decode, **kw) if isinstance(decode, str) else decode
         self.url = prefill if isinstance(prefill, str) else getattr(prefill, "url", "")

@@ -2,7 +2,7 @@
 
 Four classes implement it, none by inheritance: ``client.triton_client.TritonLLMClient`` (one
 tritonserver), ``client.disagg_client.DisaggLLMClient`` (a prefill/decode pair),
-``backend.scale.serve_client.ServeClient`` (Ray Serve replicas) and
+``triton_llm.scale.serve_client.ServeClient`` (Ray Serve replicas) and
 ``client.fake_client.FakeLLMClient`` (tests). tests/unit/test_client_interface.py checks each
 against these Protocols member by member (names, sync/async, parameters).
 

@@ -51,7 +51,7 @@ VARS: dict[str, Var] = {v.name: v for v in [
     # the shim (client/shim/settings.py)
     Var("TRITON_LLM_API_KEYS", None, "comma-separated KEY[:TENANT] API keys, beside --api-keys FILE"),
     Var("TRITON_LLM_INSECURE_NO_API_KEYS", "0", "1: --insecure-no-api-keys (serve without keys beyond loopback)"),
-    # scale-out (backend/scale)
+    # scale-out (triton_llm/scale)
     Var("RAY_ADDRESS", None, "an existing Ray cluster to join (refused without token auth unless told)"),
     Var("RAY_AUTH_MODE", None, "Ray's; token: the cluster demands its auth token"),
     Var("RAY_AUTH_TOKEN", None, "Ray's auth token"),

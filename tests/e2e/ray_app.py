@@ -21,7 +21,7 @@ def serve_app(cfg, name: str, *, num_cpus: int = 4, start_timeout: float = 300):
     import ray
     from ray import serve
 
-    from backend.scale.app import build_app
+    from triton_llm.scale.app import build_app
 
     port = free_port()
     started = time.time() - 1
@@ -52,7 +52,7 @@ def serve_app(cfg, name: str, *, num_cpus: int = 4, start_timeout: float = 300):
 
 
 def replica_tritonservers() -> list[dict]:
-    """The live tritonservers of Ray replicas (backend/scale/replica.py names a replica's workdir
+    """The live tritonservers of Ray replicas (triton_llm/scale/replica.py names a replica's workdir
     ``tllm-replica-<id>-...``): [{"pid", "repo", "metrics_port"}]."""
     import os
 

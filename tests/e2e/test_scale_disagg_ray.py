@@ -1,7 +1,7 @@
 """Prefill/decode disaggregation on Ray Serve: the two roles as two kinds of replica.
 
 One PrefillReplica (role=prefill) and one TritonReplica (role=decode) of the tiny model behind the
-shim ingress (backend/scale/app.py ``prefill_replicas``), KV over the TCP connector between the
+shim ingress (triton_llm/scale/app.py ``prefill_replicas``), KV over the TCP connector between the
 two replicas' tritonservers. Shows (a) greedy outputs through the OpenAI API equal those of the
 unified engine (the session's own tritonserver), streamed and not, with the requests handed over
 (the decode replica's own hand-over counters, the ingress's stats), and (b) a client hanging up
@@ -32,7 +32,7 @@ APP = "tllm-pd"
 
 @pytest.fixture(scope="module")
 def disagg_app():
-    from backend.scale.app import ScaleConfig
+    from triton_llm.scale.app import ScaleConfig
 
     cfg = ScaleConfig(model_dir=str(model_dir("tiny")), engine_options=dict(E2E_ENGINE_OPTIONS),
                       replicas=1, prefill_replicas=1, replica_cpus=0.5, ingress_cpus=0.25,

@@ -42,7 +42,7 @@ SYSTEM = ("You are a careful assistant for the scale-out test. Answer briefly an
 
 def _replica_servers() -> dict[str, dict]:
     """replica unique id -> {"server_pid", "metrics_port"} of our live primary replicas' servers
-    (a replica's workdir is named after it: backend/scale/replica.py)."""
+    (a replica's workdir is named after it: triton_llm/scale/replica.py)."""
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
              if a["name"].startswith(f"SERVE_REPLICA::{APP}#TritonReplica#")]
     alive = {n.rsplit("#", 1)[1] for n in names}
@@ -63,7 +63,7 @@ def _metric(port: int, name: str) -> float:
 
 @pytest.fixture(scope="module")
 def scaled():
-    from backend.scale.app import ScaleConfig
+    from triton_llm.scale.app import ScaleConfig
 
     cfg = ScaleConfig(model_dir=str(model_dir("tiny")), engine_options=dict(E2E_ENGINE_OPTIONS),
                       replicas=2, replica_cpus=0.5, ingress_cpus=0.25, imbalance=4,

@@ -1,4 +1,4 @@
-"""backend/scale/ray_cluster.py without a Ray cluster: the CPUs each deployment asks for, the
+"""triton_llm/scale/ray_cluster.py without a Ray cluster: the CPUs each deployment asks for, the
 token and loopback settings of a local cluster, the refusal to join a cluster without auth, and
 the reaping of what a local cluster left; plus `serve --replicas` refusing before Ray starts."""
 from __future__ import annotations
@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from backend.scale.app import ScaleConfig
-from backend.scale.ray_cluster import (ClusterRefused, check_join, engine_replicas, lock_down_local, reap_local,
+from triton_llm.scale.app import ScaleConfig
+from triton_llm.scale.ray_cluster import (ClusterRefused, check_join, engine_replicas, lock_down_local, reap_local,
                                        remove_token, size_cpus)
 from tests.conftest import ROOT
 

@@ -13,9 +13,9 @@ import json
 import httpx
 import pytest
 
-from backend.scale.fallback import FallbackPolicy, QueueTimeTracker
-from backend.scale.served import ServedModel, rename_sse
-from backend.scale.serve_client import ServeClient
+from triton_llm.scale.fallback import FallbackPolicy, QueueTimeTracker
+from triton_llm.scale.served import ServedModel, rename_sse
+from triton_llm.scale.serve_client import ServeClient
 from client.fake_client import FakeLLMClient
 from client.shim import ShimSettings, create_app
 from client.shim.background import BackgroundServer

@@ -10,7 +10,7 @@ import pathlib
 import pytest
 import yaml
 
-from backend.scale.app import ScaleConfig
+from triton_llm.scale.app import ScaleConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MANIFEST = ROOT / "docker" / "kuberay" / "rayservice.yaml"
@@ -121,7 +121,7 @@ def test_ray_pods_run_as_non_root_with_a_read_only_root():
 
 def test_cli_replicas_flags_make_a_scale_config():
     from backend.cli import build_parser
-    from backend.scale.run import config_from_args
+    from triton_llm.scale.run import config_from_args
 
     args = build_parser().parse_args(["serve", "--model", "m", "--replicas", "2", "--max-replicas", "3",
                                       "--engine-option", "block_size=32", "--fallback-model", "small",

@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 
 from backend.kv_cache.hashing import ROOT_HASH, hash_block
-from backend.scale.fallback import FallbackPolicy
-from backend.scale.metrics import RoutingMetrics
-from backend.scale.policy import PrefixAffinityPolicy
-from backend.scale.prefix_key import chain_of
+from triton_llm.scale.fallback import FallbackPolicy
+from triton_llm.scale.metrics import RoutingMetrics
+from triton_llm.scale.policy import PrefixAffinityPolicy
+from triton_llm.scale.prefix_key import chain_of
 
 
 def test_chain_is_the_engines_hash_chain_with_the_tenant_salt():

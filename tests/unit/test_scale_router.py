@@ -13,8 +13,8 @@ import pytest
 
 pytest.importorskip("ray.serve.request_router")
 
-from backend.scale.prefix_key import chain_of  # noqa: E402
-from backend.scale.router import PrefixAwareRouter  # noqa: E402
+from triton_llm.scale.prefix_key import chain_of  # noqa: E402
+from triton_llm.scale.router import PrefixAwareRouter  # noqa: E402
 
 
 def _router(imbalance: int = 4) -> PrefixAwareRouter:

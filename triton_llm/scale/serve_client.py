@@ -21,9 +21,9 @@ from collections import Counter
 from typing import AsyncIterator
 
 from backend import protocol as P
-from backend.scale.fallback import FallbackPolicy, QueueTimeTracker
-from backend.scale.metrics import RoutingMetrics
-from backend.scale.served import SERVED, truthy
+from triton_llm.scale.fallback import FallbackPolicy, QueueTimeTracker
+from triton_llm.scale.metrics import RoutingMetrics
+from triton_llm.scale.served import SERVED, truthy
 from client.errors import (InternalError, InvalidRequestError, QueueFullError, TritonLLMError,
                            UnavailableError)
 from client.wire import Chunk

@@ -23,10 +23,10 @@ from ray import serve
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
 from backend.disagg.secret import new_secret
-from backend.scale.ingress import ShimIngressDeployment
-from backend.scale.replica import TritonReplica
+from triton_llm.scale.ingress import ShimIngressDeployment
+from triton_llm.scale.replica import TritonReplica
 
-ROUTER_CLASS = "backend.scale.router:PrefixAwareRouter"
+ROUTER_CLASS = "triton_llm.scale.router:PrefixAwareRouter"
 
 
 @dataclass
@@ -125,6 +125,6 @@ def build_app(cfg: ScaleConfig):
 
 
 def app_builder(args: dict):
-    """Ray Serve's config-file entry (``import_path: backend.scale.app:app_builder``, ``args`` = the
+    """Ray Serve's config-file entry (``import_path: triton_llm.scale.app:app_builder``, ``args`` = the
     ScaleConfig fields), used by docker/kuberay/rayservice.yaml and ``serve run``."""
     return build_app(ScaleConfig(**args))

@@ -1,10 +1,10 @@
 """Ray Serve 2.60 starts each replica's inter-deployment gRPC server on every interface (``[::]:0``,
 hard-coded in ``ray.serve._private.replica``). Ray's token guards it, yet on a single-machine
-cluster (node address 127.0.0.1: ``serve --replicas``, backend/scale/ray_cluster.py) no peer
+cluster (node address 127.0.0.1: ``serve --replicas``, triton_llm/scale/ray_cluster.py) no peer
 exists beyond loopback, so there it binds 127.0.0.1, the address Serve's routers dial (the
 replica's node IP). On a multi-node cluster it is left as Ray has it.
 
-``backend/scale/replica.py`` and ``ingress.py`` call :func:`bind_replica_grpc_to_loopback` at import,
+``triton_llm/scale/replica.py`` and ``ingress.py`` call :func:`bind_replica_grpc_to_loopback` at import,
 which in a replica process happens before Serve starts that server.
 """
 from __future__ import annotations

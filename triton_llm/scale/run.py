@@ -2,7 +2,7 @@
 ``RAY_ADDRESS`` set, on an existing Ray cluster), the shim on ``--host``/``--shim-port``.
 
 The local cluster has token auth and loopback-only ports; a joined one must have token auth
-(backend/scale/ray_cluster.py). Blocks until Ctrl-C / SIGTERM, which stops the stack in any phase:
+(triton_llm/scale/ray_cluster.py). Blocks until Ctrl-C / SIGTERM, which stops the stack in any phase:
 before the application is running, Ray is torn down at once (its workers end, and with them the
 replicas' tritonservers); once it runs, Serve shuts down first (each replica drains, up to its
 graceful shutdown, and stops its tritonserver); a second signal skips what is left of that. Ray
@@ -16,7 +16,7 @@ import signal
 import sys
 import threading
 
-from backend.scale.ray_cluster import (ClusterRefused, check_join, lock_down_local, reap_local, remove_token,
+from triton_llm.scale.ray_cluster import (ClusterRefused, check_join, lock_down_local, reap_local, remove_token,
                                        size_cpus)
 from backend.serving.repository import parse_engine_options
 from common import env
@@ -38,7 +38,7 @@ def shim_fields(args: argparse.Namespace) -> dict:
 
 
 def config_from_args(args: argparse.Namespace):
-    from backend.scale.app import ScaleConfig
+    from triton_llm.scale.app import ScaleConfig
 
     shim = shim_fields(args)
     autoscale = args.max_replicas is not None
@@ -86,7 +86,7 @@ def _serve(args: argparse.Namespace) -> int:
         import ray
         from ray import serve
 
-        from backend.scale.app import build_app
+        from triton_llm.scale.app import build_app
 
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         ray.init(address=address or None, include_dashboard=False,

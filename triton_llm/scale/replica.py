@@ -21,7 +21,7 @@ import shutil
 import tempfile
 
 from backend.disagg.secret import write_secret
-from backend.scale.loopback import bind_replica_grpc_to_loopback
+from triton_llm.scale.loopback import bind_replica_grpc_to_loopback
 from backend.serving.launcher import TritonServer
 from client.errors import TritonLLMError, UnavailableError
 

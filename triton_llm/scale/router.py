@@ -22,8 +22,8 @@ from collections import Counter
 
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
-from backend.scale.metrics import RoutingMetrics, register
-from backend.scale.policy import PrefixAffinityPolicy
+from triton_llm.scale.metrics import RoutingMetrics, register
+from triton_llm.scale.policy import PrefixAffinityPolicy
 
 
 def route_of(pending: PendingRequest | None) -> tuple[list[str], set[str]]:

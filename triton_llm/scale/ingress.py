@@ -18,8 +18,8 @@ from __future__ import annotations
 from fastapi import Depends, Request
 from ray import serve
 
-from backend.scale import metrics as metrics_mod
-from backend.scale.loopback import bind_replica_grpc_to_loopback
+from triton_llm.scale import metrics as metrics_mod
+from triton_llm.scale.loopback import bind_replica_grpc_to_loopback
 
 bind_replica_grpc_to_loopback()                     # in the replica process, before Serve binds it
 
@@ -38,10 +38,10 @@ class ShimIngress:
         self.fallback_model_name = fallback_model_name
 
     def __serve_build_asgi_app__(self):
-        from backend.scale.fallback import FallbackPolicy
-        from backend.scale.prefix_key import PrefixKeyer
-        from backend.scale.served import ServedModel
-        from backend.scale.serve_client import ServeClient
+        from triton_llm.scale.fallback import FallbackPolicy
+        from triton_llm.scale.prefix_key import PrefixKeyer
+        from triton_llm.scale.served import ServedModel
+        from triton_llm.scale.serve_client import ServeClient
         from client.shim.app import create_app
         from client.shim.settings import ShimSettings
 
