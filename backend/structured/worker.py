@@ -6,8 +6,11 @@ thread ticking every 1 ms saw gaps of at most 9 ms during a 2 s compile), so a t
 the engine thread keeps stepping while a grammar compiles, and the result needs no serializing.
 
     submit(key, fn) -> Future    one per waiting request; waiters of one key share one compile
-    [grammar-compile]  runs jobs in arrival order, niced (+5): the engine thread goes first,
-                       a job whose waiters all ran out of budget while it queued is skipped
+    [grammar-compile]  runs jobs in arrival order; a job whose waiters all ran out of budget
+                       while it queued is skipped. It keeps its creator's nice value: the engine
+                       thread raises its own priority where it may (TRITON_LLM_ENGINE_NICE), and
+                       a lowered compile thread starved behind it and every other job on a
+                       2-core host (all 8 slow regexes of the e2e test timed out at +5)
     [grammar-deadline] fails each waiter ``budget_s`` after it was submitted (BudgetExceeded)
 
 A compile cannot be interrupted once it runs: past the budget its waiters are answered at once,
@@ -19,16 +22,12 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import logging
-import os
 import threading
 import time
 from collections import deque
 from concurrent.futures import Future, InvalidStateError
 from typing import Any, Callable, Hashable
 
-log = logging.getLogger(__name__)
-WORKER_NICE = 5          # not more: on a host shared with other jobs a +10 thread starves
 
 
 class BudgetExceeded(Exception):
@@ -117,10 +116,6 @@ class CompileWorker:
 
     def _work(self) -> None:
         self._worker_ident = threading.get_ident()
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WORKER_NICE)
-        except OSError as exc:            # best effort: the budget still bounds what a client waits
-            log.debug("grammar worker nice not applied: %s", exc)
         while True:
             with self._cond:
                 while not self._queue and not self._closed:
