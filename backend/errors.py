@@ -18,6 +18,15 @@ from __future__ import annotations
 from enum import Enum
 
 
+class InvalidSamplingParam(ValueError):
+    """A setting out of range. ``param`` names it, so the engine tags the error without reading
+    the message (a ValueError, so offline callers can catch it as one)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class ErrorKind(str, Enum):
     INVALID_REQUEST = "invalid_request"
     QUEUE_FULL = "queue_full"

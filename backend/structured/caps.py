@@ -24,7 +24,7 @@ import json
 import re
 from typing import Any
 
-from backend.sampling_params import InvalidSamplingParam
+from backend.errors import InvalidSamplingParam
 
 KIB = 1024
 MAX_CHARS = {"regex": 4 * KIB, "json_schema": 64 * KIB, "grammar": 64 * KIB, "choice": 64 * KIB,

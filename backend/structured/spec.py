@@ -24,8 +24,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from backend.sampling_params import InvalidSamplingParam
+from backend.errors import InvalidSamplingParam
 from backend.structured.caps import MAX_CHARS, check_spec
+from backend.structured.tool_spec import parse_tool_choice, parse_tools
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tool_calls")
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -140,8 +141,6 @@ def response_format_spec(v: Any) -> StructuredSpec | None:
 def spec_from_params(p: dict) -> StructuredSpec | None:
     """The one structured-output spec of a request's parameters (None when unconstrained).
     Raises InvalidSamplingParam when several are given or one is malformed."""
-    from backend.structured.tool_spec import tool_calls_spec
-
     found: list[StructuredSpec] = []
     if p.get("response_format") not in (None, ""):
         spec = response_format_spec(p["response_format"])
@@ -193,3 +192,22 @@ def check_structured(spec: Any, logit_bias: Any) -> dict[int, float] | None:
     if spec is not None and not isinstance(spec, StructuredSpec):
         raise InvalidSamplingParam("structured", f"structured must be a StructuredSpec, got {type(spec).__name__}")
     return parse_logit_bias(logit_bias)
+
+
+def tool_calls_spec(tools: Any, tool_choice: Any, parallel: Any):
+    """The StructuredSpec for ``required`` / named tool choice, else None."""
+    if tools in (None, "", []):
+        if tool_choice not in (None, "", "none", "auto"):
+            raise InvalidSamplingParam("tool_choice", "tool_choice needs tools")
+        return None
+    parsed = parse_tools(tools)
+    choice = parse_tool_choice(tool_choice, parsed)
+    if choice is None:
+        return None
+    if choice != "required":
+        parsed = [t for t in parsed if t["name"] == choice]
+    if isinstance(parallel, str):
+        parallel = parallel.strip().lower() not in ("false", "0", "no")
+    value = {"tools": [{"name": t["name"], "parameters": t["parameters"]} for t in parsed],
+             "parallel": bool(True if parallel is None else parallel) and choice == "required"}
+    return StructuredSpec("tool_calls", json.dumps(value), "tool_choice")

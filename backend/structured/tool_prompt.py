@@ -16,7 +16,7 @@ import json
 from typing import Any
 
 from backend.errors import invalid_request
-from backend.sampling_params import InvalidSamplingParam
+from backend.errors import InvalidSamplingParam
 from backend.structured.tool_spec import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, parse_tools
 
 KEPT_FIELDS = ("tool_calls", "tool_call_id", "name")

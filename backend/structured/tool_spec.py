@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from backend.sampling_params import InvalidSamplingParam
+from backend.errors import InvalidSamplingParam
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
@@ -76,27 +76,6 @@ def parse_tool_choice(choice: Any, tools: list[dict]) -> str | None:
         raise InvalidSamplingParam("tool_choice", f"tool_choice names function {name!r}, which is not in tools")
     raise InvalidSamplingParam("tool_choice", 'tool_choice must be "none", "auto", "required" or '
                                               '{"type": "function", "function": {"name": ...}}')
-
-
-def tool_calls_spec(tools: Any, tool_choice: Any, parallel: Any):
-    """The StructuredSpec for ``required`` / named tool choice, else None."""
-    from backend.structured.spec import StructuredSpec
-
-    if tools in (None, "", []):
-        if tool_choice not in (None, "", "none", "auto"):
-            raise InvalidSamplingParam("tool_choice", "tool_choice needs tools")
-        return None
-    parsed = parse_tools(tools)
-    choice = parse_tool_choice(tool_choice, parsed)
-    if choice is None:
-        return None
-    if choice != "required":
-        parsed = [t for t in parsed if t["name"] == choice]
-    if isinstance(parallel, str):
-        parallel = parallel.strip().lower() not in ("false", "0", "no")
-    value = {"tools": [{"name": t["name"], "parameters": t["parameters"]} for t in parsed],
-             "parallel": bool(True if parallel is None else parallel) and choice == "required"}
-    return StructuredSpec("tool_calls", json.dumps(value), "tool_choice")
 
 
 def tool_call_begin(name: str) -> str:
