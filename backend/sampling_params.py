@@ -5,14 +5,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from backend.errors import InvalidSamplingParam
 
-class InvalidSamplingParam(ValueError):
-    """A setting out of range. ``param`` names it, so the engine tags the error without reading
-    the message (a ValueError, so offline callers can catch it as one)."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
+__all__ = ["InvalidSamplingParam", "SamplingParams"]
 
 
 @dataclass
