@@ -139,7 +139,7 @@ def test_hanging_up_after_the_hand_over_aborts_in_the_decode_engine(disagg_app):
     resp = conn.getresponse()
     assert resp.status == 200
     events = 0
-    while events < 8:                                # tokens after the first come from the decode side
+    while events < 2:                                # tokens after the first come from the decode side
         line = resp.fp.readline()
         assert line, "the stream ended early"
         events += line.startswith(b"data: {")
