@@ -18,6 +18,8 @@ The index arithmetic (positions, slots, padded block tables) is backend/model/ba
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from backend.engine.embedding import hidden_rows
@@ -26,8 +28,11 @@ from backend.model.batch_builder import SeqChunk
 from backend.model.batch_builder import build_batch as build_chunks
 from backend.model.runner import BatchInput
 
+if TYPE_CHECKING:
+    from backend.kv_cache.manager import KVCacheManager
 
-def build_batch(scheduled: list[tuple[Sequence, int]], kv, device: str | torch.device = "cpu") -> BatchInput:
+
+def build_batch(scheduled: list[tuple[Sequence, int]], kv: KVCacheManager, device: str | torch.device = "cpu") -> BatchInput:
     chunks: list[SeqChunk] = []
     pooled = False                          # an embedding request's chunk in the step
     for seq, num_new in scheduled:

@@ -20,8 +20,9 @@ from backend.engine.batch import build_batch
 from backend.engine.deltas import make_deltas
 from backend.engine.embedding import absorb, embedding_delta, validate_embed
 from backend.engine.sampler import Sampler
+from backend.engine.schedule_output import SampledLogprobs, SampledTokens, SchedulerOutput
 from backend.engine.scheduler import Scheduler
-from backend.engine.sequence import Request
+from backend.engine.sequence import Request, Sequence
 from backend.engine.stats import EngineStats, StatsRecorder
 from backend.engine.stop_checker import StopChecker
 from backend.errors import EngineError, ErrorKind, deadline_exceeded
@@ -153,12 +154,12 @@ class LLMEngine:
             self.speculator.release(self.scheduler.running)     # drafts' state of ended sequences
         return deltas
 
-    def _run(self, out) -> tuple:
+    def _run(self, out: SchedulerOutput) -> tuple[SampledTokens, SampledLogprobs, list[Sequence]]:
         """Forward pass + sampling (with drafts scheduled, exact verification instead); returns
         tokens, logprobs and the embedding sequences that finished pooling this step."""
         t0 = time.perf_counter()
         batch = build_batch(out.scheduled, self.kv, self.device)
-        pooled = []
+        pooled: list[Sequence] = []
         if batch.hidden_indices is None:
             logits = self.runner.execute(batch)
         else:                                  # embedding requests in the step (embedding.py)
@@ -167,6 +168,7 @@ class LLMEngine:
         if self.speculator is not None and out.num_batched_tokens == len(out.sampling) + out.num_drafts:
             self.speculator.observe(out.num_drafts > 0, time.perf_counter() - t0)   # decode-only step cost
         if out.num_drafts:
+            assert out.logit_rows is not None, "plan_sampling names the drafts' rows"
             return (*verify(self.sampler, logits, out.sampling, out.logit_rows), pooled)
         return (*self.sampler(logits, out.sampling, rows=out.logit_rows), pooled)
 

@@ -24,12 +24,17 @@ from __future__ import annotations
 
 import enum
 import itertools
+from typing import TYPE_CHECKING
 
 import torch
 
 from backend.errors import EngineError
 from backend.outputs import TokenLogprob
 from backend.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from backend.engine.embedding import ResolvedPooling
+    from backend.structured.compiler import Grammar
 
 _request_counter = itertools.count()
 
@@ -45,7 +50,8 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                  max_tokens: int, stream: bool, salt: str | None, priority: int,
-                 deadline: float | None, arrival_time: float, grammar=None, pooling=None):
+                 deadline: float | None, arrival_time: float, grammar: Grammar | None = None,
+                 pooling: ResolvedPooling | None = None):
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.params = params
@@ -115,7 +121,7 @@ class Sequence:
         self.spec_policy = None    # the speculator's per-choice back-off state (backend/spec)
         # Embedding requests (backend/engine/embedding.py): the mean pooling's running sum over the
         # chunks computed so far, and the finished vector.
-        self.pool_sum = None
+        self.pool_sum: torch.Tensor | None = None
         self.embedding: list[float] | None = None
 
     def __lt__(self, other: "Sequence") -> bool:     # heap order: priority, then arrival
