@@ -12,7 +12,8 @@ some clients have (the pair's client has no ``embed``): ``EmbeddingClient`` and
 """
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Protocol, runtime_checkable
+from collections.abc import AsyncIterator
+from typing import Any, Protocol, runtime_checkable
 
 from client.wire import Chunk
 

@@ -3,12 +3,12 @@ member: present, async exactly when the Protocol's member is, and callable the w
 it (every Protocol parameter accepted with the same kind; any extra parameter has a default)."""
 import pytest
 
-from triton_llm.scale.serve_client import ServeClient
 from client.disagg_client import DisaggLLMClient
 from client.fake_client import FakeLLMClient
 from client.interface import EmbeddingClient, LLMClient, WeightsInfoClient
 from client.triton_client import TritonLLMClient
 from tests.unit.protocol_check import mismatches
+from triton_llm.scale.serve_client import ServeClient
 
 CLIENTS = [TritonLLMClient, DisaggLLMClient, ServeClient, FakeLLMClient]
 
