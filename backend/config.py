@@ -53,6 +53,10 @@ class EngineArgs:
     kv_staged_ttl_s: float = 60.0                 # prefill: staged KV nobody fetched is dropped after this
     kv_secret_file: str | None = None             # tcp: the pair's shared secret (a 0600 file; serve --disagg
                                                   # makes one per pair); required beyond loopback
+    # Multi-LoRA serving (issue 31; backend/lora, docs/lora.md):
+    max_loras: int = 0                            # adapters resident at once (LRU of idle ones evicted); 0 = LoRA off
+    max_lora_rank: int = 64                       # adapters of a higher rank are refused
+    lora_modules: str | dict | None = None        # adapters registered at start: JSON {"name": "dir", ...} (serve --lora)
 
     def __post_init__(self) -> None:
         from backend.spec.config import SpeculativeConfig
@@ -61,6 +65,11 @@ class EngineArgs:
             raise ValueError(f"quantization must be none, int8 or int4 (got {self.quantization!r})")
         if self.kv_cache_dtype not in ("auto", "fp16", "bf16", "float16", "bfloat16"):
             raise ValueError(f"kv_cache_dtype must be auto, fp16 or bf16 (got {self.kv_cache_dtype!r})")
+        if self.max_loras < 0 or self.max_lora_rank < 1:
+            raise ValueError(f"max_loras must be >= 0 and max_lora_rank >= 1 (got {self.max_loras}, "
+                             f"{self.max_lora_rank})")
+        if self.lora_modules and not self.max_loras:
+            raise ValueError("lora_modules needs max_loras >= 1 (adapter slots)")
         if self.role not in ("unified", "prefill", "decode"):
             raise ValueError(f"role must be unified, prefill or decode (got {self.role!r})")
         if self.kv_connector not in ("shm", "tcp"):

@@ -137,6 +137,7 @@ REQUEST_TIMEOUT = "request_timeout"
 ABORT_REQUEST_ID = "abort_request_id"   # a control request to the engine: stop that request
                                         # (only a request of the same tenant)
 CACHE_SALT = "cache_salt"           # honoured only with the engine option allow_client_salt
+LORA = "lora"                       # a LoRA adapter's name (docs/lora.md); absent = the base model
 # Prefill/decode disaggregation (docs/disaggregation.md): a prefill engine ends a request it hands
 # over with finish_reason FINISH_HANDOVER and no tokens; the record (backend/disagg/handover.py, JSON
 # text) rides under key HANDOVER in that final response's METRICS JSON, which every ensemble step

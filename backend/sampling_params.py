@@ -33,6 +33,7 @@ class SamplingParams:
     # tool calls) and OpenAI's logit_bias {token id: bias in [-100, 100]}.
     structured: Any = None
     logit_bias: dict[int, float] | None = None
+    lora: str | None = None              # a LoRA adapter's name (backend/lora); None = the base model
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -82,6 +83,8 @@ class SamplingParams:
             bad("stop", "must be at most 4 non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
+        if self.lora is not None and (not isinstance(self.lora, str) or not self.lora or len(self.lora) > 128):
+            bad("lora", f"must be an adapter name (1 to 128 characters), got {self.lora!r}")
         if self.structured is not None or self.logit_bias:
             from backend.structured.spec import check_structured
             self.logit_bias = check_structured(self.structured, self.logit_bias)

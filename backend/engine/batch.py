@@ -24,6 +24,7 @@ import torch
 
 from backend.engine.embedding import hidden_rows
 from backend.engine.sequence import Sequence
+from backend.lora.batch import LoRABatch
 from backend.model.batch_builder import SeqChunk
 from backend.model.batch_builder import build_batch as build_chunks
 from backend.model.runner import BatchInput
@@ -32,7 +33,9 @@ if TYPE_CHECKING:
     from backend.kv_cache.manager import KVCacheManager
 
 
-def build_batch(scheduled: list[tuple[Sequence, int]], kv: KVCacheManager, device: str | torch.device = "cpu") -> BatchInput:
+def build_batch(scheduled: list[tuple[Sequence, int]], kv: KVCacheManager, device: str | torch.device = "cpu",
+                lora_info: dict[str, int] | None = None) -> BatchInput:
+    """``lora_info``: the model's q_size / kv_size / intermediate when LoRA is on (else None)."""
     chunks: list[SeqChunk] = []
     pooled = False                          # an embedding request's chunk in the step
     for seq, num_new in scheduled:
@@ -48,6 +51,9 @@ def build_batch(scheduled: list[tuple[Sequence, int]], kv: KVCacheManager, devic
         chunks.append(SeqChunk(seq.token_ids[start:end], start, kv.block_table(seq.seq_id),
                                logits=end == seq.num_tokens and not embed))
     batch = build_chunks(chunks, kv.block_size, device)
+    if lora_info is not None and any(seq.request.lora is not None for seq, _ in scheduled):
+        batch.lora = LoRABatch.build([(seq.request.lora, len(c.token_ids)) for (seq, _), c in zip(scheduled, chunks)],
+                                     device=device, **lora_info)
     rows = hidden_rows(scheduled) if pooled else None    # backend/engine/embedding.py
     if rows:                # (a last-token request's earlier chunks need none: any step path)
         batch.hidden_indices = torch.tensor(rows, dtype=torch.int64, device=device)

@@ -25,7 +25,10 @@ from backend.engine.scheduler import Scheduler
 from backend.engine.sequence import Request, Sequence
 from backend.engine.stats import EngineStats, StatsRecorder
 from backend.engine.stop_checker import StopChecker
-from backend.errors import EngineError, ErrorKind, deadline_exceeded
+from backend.errors import EngineError, ErrorKind, deadline_exceeded, invalid_request, unavailable
+from backend.kv_cache.hashing import extra_key
+from backend.lora.adapter import LoRAAdapter, LoRAError
+from backend.lora.registry import UnknownAdapter
 from backend.model.pooling import PoolingConfig
 from backend.outputs import StepDelta
 from backend.pooling_params import PoolingParams
@@ -81,6 +84,12 @@ class LLMEngine:
         # Prefill role (backend/disagg/prefill.py): called after each update with the sampled
         # choices and the step's deltas; hands first tokens over and drops their deltas.
         self.handoff = None
+        # The fused projections' column split for LoRA groups (backend/lora/batch.py); None: LoRA off.
+        self._lora_info: dict[str, int] | None = None
+        if getattr(runner, "loras", None) is not None:
+            cfg = runner.config
+            self._lora_info = {"q_size": cfg.num_heads * cfg.head_dim, "kv_size": cfg.num_kv_heads * cfg.head_dim,
+                               "intermediate": cfg.intermediate_size}
 
     @property
     def vocab_size(self) -> int:
@@ -114,10 +123,29 @@ class LLMEngine:
         except EngineError:
             self.stats_recorder.record_rejected()
             raise
+        lora = self._resolve_lora(params.lora if params is not None else None)
+        if lora is not None:                   # its KV is its own: the adapter joins the cache key
+            salt = extra_key(salt, lora.uid)
         self.scheduler.add_request(Request(
             request_id, prompt_token_ids, params or SamplingParams(), max_tokens=max_tokens, stream=stream,
-            salt=salt, priority=int(priority), deadline=deadline, grammar=grammar, pooling=resolved,
+            salt=salt, priority=int(priority), deadline=deadline, grammar=grammar, pooling=resolved, lora=lora,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time))
+
+    def _resolve_lora(self, name: str | None) -> LoRAAdapter | None:
+        """The request's LoRAAdapter (loaded now if evicted), or None for the base model."""
+        if name is None:
+            return None
+        registry = getattr(self.runner, "loras", None)
+        if registry is None:
+            raise invalid_request("lora", f"LoRA adapter {name!r} requested but LoRA is off (engine option max_loras)")
+        busy = {r.lora.name for r in self.scheduler.requests.values() if r.lora is not None}
+        try:
+            adapter: LoRAAdapter = registry.resolve(name, busy)
+        except UnknownAdapter:
+            raise invalid_request("lora", f"unknown LoRA adapter {name!r}") from None
+        except LoRAError as e:
+            raise unavailable(f"LoRA adapter {name!r}: {e}") from None
+        return adapter
 
     def abort_request(self, request_id: str) -> bool:
         """Finish a request now (blocks freed on return); its final deltas come from step()."""
@@ -158,7 +186,7 @@ class LLMEngine:
         """Forward pass + sampling (with drafts scheduled, exact verification instead); returns
         tokens, logprobs and the embedding sequences that finished pooling this step."""
         t0 = time.perf_counter()
-        batch = build_batch(out.scheduled, self.kv, self.device)
+        batch = build_batch(out.scheduled, self.kv, self.device, self._lora_info)
         pooled: list[Sequence] = []
         if batch.hidden_indices is None:
             logits = self.runner.execute(batch)

@@ -34,6 +34,7 @@ from backend.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from backend.engine.embedding import ResolvedPooling
+    from backend.lora.adapter import LoRAAdapter
     from backend.structured.compiler import Grammar
 
 _request_counter = itertools.count()
@@ -51,7 +52,7 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                  max_tokens: int, stream: bool, salt: str | None, priority: int,
                  deadline: float | None, arrival_time: float, grammar: Grammar | None = None,
-                 pooling: ResolvedPooling | None = None):
+                 pooling: ResolvedPooling | None = None, lora: LoRAAdapter | None = None):
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.params = params
@@ -68,6 +69,7 @@ class Request:
         self.forked = params.n == 1
         self.grammar = grammar                    # backend/structured Grammar, or None
         self.pooling = pooling                    # an embedding request (engine/embedding.py), or None
+        self.lora = lora                          # its backend/lora LoRAAdapter (weights held), or None
         self.seqs: list[Sequence] = [Sequence(self, 0)]
 
     @property

@@ -3,6 +3,10 @@
     block 0: h0 = H(ROOT_HASH, tokens[0:bs],   salt)
     block 1: h1 = H(h0,        tokens[bs:2bs], salt)      ...
 
+``salt`` is the request's extra key: the tenant's (or allowed client's) cache salt, and the LoRA
+adapter's identity (:func:`extra_key`), so KV computed under one adapter is never reused by
+another adapter or by the base model.
+
 A hash names a block *and its whole prefix*, so equal hashes mean "same KV" up to collisions.
 Collisions are ruled out separately by comparing a :data:`CacheKey` (see ``manager.py``).
 
@@ -23,6 +27,14 @@ ROOT_ID = 0       # cache-entry id of that (virtual) parent; real entries start 
 # Comparing the parent's *entry id* (not its hash) makes a hit exact even if every hash collides:
 # entry ids are unique per cached content and never reused.
 CacheKey = tuple[int, tuple[int, ...], "str | None"]
+
+
+def extra_key(salt: str | None, lora_uid: str | None) -> str | None:
+    """The chain's extra key for a tenant ``salt`` and an adapter (``LoRAAdapter.uid``: name and
+    content digest). Length-prefixed, so no salt can spell another (salt, adapter) pair."""
+    if lora_uid is None:
+        return salt
+    return f"lora:{len(lora_uid)}:{lora_uid}|" + ("" if salt is None else f"salt:{salt}")
 
 
 def hash_block(parent_hash: bytes, token_ids: Sequence[int], salt: str | None = None) -> bytes:

@@ -15,6 +15,7 @@ in fp32 then cast to the activation dtype, rotate-half (GPT-NeoX) layout.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,9 @@ from torch import nn
 
 from backend.model.attention import AttentionBackend, AttentionMetadata
 from backend.model.config import ModelConfig, RopeConfig
+
+if TYPE_CHECKING:
+    from backend.lora.batch import LoRABatch
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -100,8 +104,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
+        self.index = index                # the layer's, to find its LoRA weights
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
@@ -110,50 +115,65 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, cfg.o_bias)
 
     def forward(self, x, cos, sin, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+                meta: AttentionMetadata, backend: AttentionBackend, lora: LoRABatch | None = None) -> torch.Tensor:
         t, hq = x.shape[0], self.num_heads
         qkv = self.qkv_proj.forward(x)
+        if lora is not None:              # adapters' rows only (backend/lora/batch.py)
+            lora.add(qkv, x, self.index, "qkv")
         # q and k sit side by side in the fused output: rotate them as one [T, Hq + Hkv, D] tensor
         # (half the elementwise op calls; the same arithmetic per element).
         qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(t, hq + self.num_kv_heads, self.head_dim),
                         cos, sin)
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         o = backend.forward(qk[:, :hq], qk[:, hq:], v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj.forward(o.reshape(t, self.q_size))
+        o = o.reshape(t, self.q_size)
+        out = self.o_proj.forward(o)
+        if lora is not None:
+            lora.add(out, o, self.index, "o")
+        return out
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
+        self.index = index
         self.intermediate = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.forward(x).split(self.intermediate, dim=-1)
-        return self.down_proj.forward(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
+        if lora is None:
+            gate, up = self.gate_up_proj.forward(x).split(self.intermediate, dim=-1)
+            return self.down_proj.forward(F.silu(gate) * up)
+        gate_up = self.gate_up_proj.forward(x)
+        lora.add(gate_up, x, self.index, "gate_up")
+        gate, up = gate_up.split(self.intermediate, dim=-1)
+        act = F.silu(gate) * up
+        out = self.down_proj.forward(act)
+        lora.add(out, act, self.index, "down")
+        return out
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, index)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, index)
 
-    def forward(self, h, cos, sin, kv_cache, meta, backend) -> torch.Tensor:
+    def forward(self, h, cos, sin, kv_cache, meta, backend, lora: LoRABatch | None = None) -> torch.Tensor:
         # .forward, not __call__: no hooks are used, and nn.Module.__call__ costs a few microseconds
         # per call, ~10 calls per layer per step -- felt on small models where a step is ~1 ms/layer.
-        h = h + self.self_attn.forward(self.input_layernorm.forward(h), cos, sin, kv_cache, meta, backend)
-        return h + self.mlp.forward(self.post_attention_layernorm.forward(h))
+        h = h + self.self_attn.forward(self.input_layernorm.forward(h), cos, sin, kv_cache, meta, backend, lora)
+        return h + self.mlp.forward(self.post_attention_layernorm.forward(h), lora)
 
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -174,24 +194,26 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend: AttentionBackend,
-                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+                logits_indices: torch.Tensor | None = None, lora: LoRABatch | None = None) -> torch.Tensor:
         """input_ids/positions [num_tokens] -> fp32 logits [len(logits_indices) or num_tokens, vocab].
 
         Writes this step's K/V into ``kv_caches[layer] = (k_cache, v_cache)`` at ``meta.slot_mapping``.
+        ``lora`` adds each adapter's low-rank products to its own rows' projections.
         """
-        h = self.trunk(input_ids, positions, meta, kv_caches, backend)
+        h = self.trunk(input_ids, positions, meta, kv_caches, backend, lora)
         if logits_indices is not None:
             # Norm and lm_head are per row: run them on the wanted rows only.
             h = h.index_select(0, logits_indices)
         return self.head(h)
 
     def trunk(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-              kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend: AttentionBackend) -> torch.Tensor:
+              kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend: AttentionBackend,
+              lora: LoRABatch | None = None) -> torch.Tensor:
         """Every token's hidden state before the final norm [num_tokens, hidden] (K/V written)."""
         h = F.embedding(input_ids, self.model.embed_tokens)
         cos, sin = self.rotary.lookup(positions, h.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            h = layer.forward(h, cos, sin, kv_cache, meta, backend)
+            h = layer.forward(h, cos, sin, kv_cache, meta, backend, lora)
         return h
 
     def head(self, h: torch.Tensor) -> torch.Tensor:

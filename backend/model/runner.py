@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from backend.config import EngineArgs
 from backend.context import model_max_len, num_kv_blocks
 from backend.kv_cache.storage import KVCacheStorage
+from backend.lora.registry import make_lora_registry
 from backend.model.attention import AttentionMetadata, make_attention_backend
 from backend.model.config import load_model_config
 from backend.model.fused_decode import make_fused_decoder
@@ -34,6 +36,8 @@ class BatchInput:
     # [num_hidden] int64, rows whose final-normed hidden state is wanted (embedding requests,
     # backend/engine/embedding.py); None: none (every step that has no embedding request)
     hidden_indices: torch.Tensor | None = None
+    # the step's tokens grouped by LoRA adapter (backend/lora/batch.py); None: base-model rows only
+    lora: Any = None
 
 
 @dataclass
@@ -91,13 +95,15 @@ class ModelRunner:
         # every step takes the torch path.
         self.fused = make_fused_decoder(self.model, self.kv_caches, args.block_size, self.attention)
         self.pooling = PoolingConfig.from_model_dir(model_dir)     # embedding requests' pooling
+        self.loras = make_lora_registry(cfg, args, self.dtype, self.device)   # None: LoRA off
 
     info: ModelInfo
     num_blocks: int
 
     def execute(self, batch: BatchInput) -> torch.Tensor:
         """Run the model on the batch, writing K/V into the pool; return fp32 logits [num_logits, vocab]."""
-        if self.fused is not None and self.fused.accepts(batch.input_ids.shape[0], batch.seq_lens.shape[0]):
+        # The fused C step has no LoRA products: steps with adapter rows take the torch path.
+        if batch.lora is None and self.fused is not None and self.fused.accepts(batch.input_ids.shape[0], batch.seq_lens.shape[0]):
             # One C call, no autograd-visible torch op: no inference_mode context (~15 us) needed.
             return self.fused.forward(batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables,
                                       batch.seq_lens, batch.logits_indices, batch.cu_seqlens_q)
@@ -110,7 +116,7 @@ class ModelRunner:
         (the fused C step returns logits only); such steps are prefill work anyway."""
         dev = self.device
         h = self.model.trunk(batch.input_ids.to(dev), batch.positions.to(dev), self._meta(batch), self.kv_caches,
-                             self.attention)
+                             self.attention, batch.lora)
         logits = self.model.head(h.index_select(0, batch.logits_indices.to(dev)))
         hidden = self.model.model.norm.forward(h.index_select(0, batch.hidden_indices.to(dev)))
         return logits, hidden.float()
@@ -127,4 +133,4 @@ class ModelRunner:
     def _execute_torch(self, batch: BatchInput) -> torch.Tensor:
         dev = self.device
         return self.model(batch.input_ids.to(dev), batch.positions.to(dev), self._meta(batch), self.kv_caches,
-                          self.attention, batch.logits_indices.to(dev))
+                          self.attention, batch.logits_indices.to(dev), batch.lora)

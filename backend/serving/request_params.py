@@ -156,6 +156,7 @@ def request_settings(params: dict) -> RequestSettings:
         else:
             kwargs[name] = _as_list(name, v)
     kwargs["logprobs"] = _logprobs(p)
+    kwargs["lora"] = _short_str(P.LORA, p.get(P.LORA)) or None     # resolved by the engine (backend/lora)
     try:                                    # structured outputs (backend/structured/spec.py)
         kwargs["structured"] = spec_from_params(p)
         kwargs["logit_bias"] = parse_logit_bias(p.get(P.LOGIT_BIAS))
