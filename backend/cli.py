@@ -50,6 +50,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             print(f"serve: the default model could not be set up: {exc}", file=sys.stderr)
             return 2
     args.engine_option = serve_engine_options(args.engine_option)
+    from backend.lora.serve_args import lora_engine_options, parse_lora_args
+    try:                                              # LoRA adapters (docs/lora.md)
+        args.lora_modules = parse_lora_args(args.lora)
+        args.engine_option = lora_engine_options(args.lora_modules, args.engine_option)
+    except ValueError as exc:
+        print(f"serve: {exc}", file=sys.stderr)
+        return 2
     if getattr(args, "disagg", False):                # prefill/decode disaggregation (docs/disaggregation.md)
         from backend.serving.disagg_serve import serve_disagg
         return serve_disagg(args)
@@ -108,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--shim-port", type=int, default=9000, help="OpenAI-compatible HTTP port (0 = no shim)")
     sv.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
                     help="engine option (see backend/config.py EngineArgs), repeatable")
+    sv.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
+                    help="serve a PEFT LoRA adapter under the model id NAME, repeatable (docs/lora.md)")
     sv.add_argument("--api-keys", default=None, help="file of API keys for the shim (KEY[:TENANT] per line)")
     sv.add_argument("--insecure-no-api-keys", action="store_true",
                     help="let the shim serve without API keys on a --host beyond loopback (it refuses "

@@ -48,6 +48,8 @@ def start_shim(args: argparse.Namespace, server: TritonServer, workdir: pathlib.
         cmd += ["--api-keys", args.api_keys]
     if getattr(args, "insecure_no_api_keys", False):
         cmd += ["--insecure-no-api-keys"]
+    for name in getattr(args, "lora_modules", None) or {}:     # model ids the shim maps to adapters
+        cmd += ["--lora-name", name]
     cmd += extra or []
     log = workdir / "shim.log"
     proc = spawn(cmd, log, cwd=ROOT)

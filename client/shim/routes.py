@@ -18,12 +18,13 @@ from client.shim.errors import from_llm_error, model_not_found, not_ready
 from client.shim.format import Tally
 from client.shim.generation import ClientDisconnected, collect, merged, until_disconnect
 from client.shim.limits import check_prompt_chars
+from client.shim.lora import adapter_cards, adapter_for
 from client.shim.reasoning import parses_reasoning, with_reasoning
 from client.shim.schemas import ChatCompletionRequest, CompletionRequest
 from client.shim.settings import context_window_of
-from client.shim.tools import ToolTally, parses_tool_calls
 from client.shim.streaming import BoundedSSE
 from client.shim.tenants import KeyPolicy, Slot, effective_priority
+from client.shim.tools import ToolTally, parses_tool_calls
 
 log = logging.getLogger("triton_llm.shim")
 router = APIRouter()
@@ -59,8 +60,10 @@ async def _check_prompt(request: Request, chars: int, param: str) -> None:
     check_prompt_chars(chars, window, settings.prompt_chars_per_token, param)
 
 
-def _params(request: Request, body, key: KeyPolicy) -> dict:
+def _params(request: Request, body, key: KeyPolicy, lora: str | None = None) -> dict:
     params = body.params()
+    if lora is not None:                                # the model id named an adapter (lora.py)
+        params[P.LORA] = lora
     params.pop("priority", None)
     priority = effective_priority(key, body.priority)
     if priority:
@@ -73,11 +76,11 @@ def _params(request: Request, body, key: KeyPolicy) -> dict:
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request,
                            key: KeyPolicy = Depends(authenticated)):
-    _check_model(request, body.model)
+    lora = adapter_for(_state(request).settings, body.model)
     await _check_prompt(request, body.prompt_chars(), "messages")
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     timing.mark(rid, "shim.recv")
-    params = _params(request, body, key)
+    params = _params(request, body, key, lora)
     slot = _state(request).in_flight.acquire(key)
     client = _state(request).client
     agens = [client.generate(messages=body.messages_json(), request_id=rid, params=params,
@@ -93,11 +96,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, key: KeyPolicy = Depends(authenticated)):
-    _check_model(request, body.model)
+    lora = adapter_for(_state(request).settings, body.model)
     await _check_prompt(request, body.prompt_chars(), "prompt")
     rid = f"cmpl-{uuid.uuid4().hex}"
     timing.mark(rid, "shim.recv")
-    params = _params(request, body, key)
+    params = _params(request, body, key, lora)
     slot = _state(request).in_flight.acquire(key)
     client = _state(request).client
     prompts = body.prompts()
@@ -180,12 +183,15 @@ async def _events(first, items, tally: Tally, param_names: dict[str, str]):
 
 @router.get("/v1/models")
 async def list_models(request: Request, _key: KeyPolicy = Depends(authenticated)):
-    return {"object": "list", "data": [await _model_card(request)]}
+    s = _state(request)
+    return {"object": "list", "data": [await _model_card(request), *adapter_cards(s.settings, s.created)]}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, request: Request, _key: KeyPolicy = Depends(authenticated)):
-    _check_model(request, model_id)
+    s = _state(request)
+    if adapter_for(s.settings, model_id) is not None:
+        return next(c for c in adapter_cards(s.settings, s.created) if c["id"] == model_id)
     return await _model_card(request)
 
 

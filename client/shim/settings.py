@@ -48,6 +48,7 @@ class ShimSettings:
     prompt_chars_per_token: int = DEFAULT_PROMPT_CHARS_PER_TOKEN   # prompt cap: this x the window
     stream_write_timeout_s: float = 30.0   # an SSE client that takes no bytes this long is cut off
     reasoning_parser: str | None = None    # "deepseek_r1": <think> text -> reasoning_content (reasoning.py)
+    lora_names: tuple[str, ...] = ()       # model ids that name LoRA adapters of the served model (lora.py)
     response_store_items: int = 1024       # /v1/responses kept for previous_response_id, per tenant
     response_store_bytes: int = 64 << 20   # ... and their bytes, per tenant (response_store.py)
 
@@ -173,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds an SSE client may take no bytes before its stream is aborted")
     p.add_argument("--reasoning-parser", default=None, choices=("deepseek_r1",),
                    help="split <think>...</think> into reasoning_content / reasoning items")
+    p.add_argument("--lora-name", action="append", default=[],
+                   help="a LoRA adapter registered with the engine: requests with this model id use it "
+                        "(repeatable; triton-llm serve --lora passes them)")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -189,4 +193,4 @@ def settings_from_args(args: argparse.Namespace) -> ShimSettings:
                         stream_write_timeout_s=args.stream_write_timeout,
                         require_api_keys=args.require_api_keys,
                         insecure_no_api_keys=args.insecure_no_api_keys,
-                        reasoning_parser=args.reasoning_parser)
+                        reasoning_parser=args.reasoning_parser, lora_names=tuple(args.lora_name))
