@@ -234,6 +234,8 @@ def load_decode(path: pathlib.Path):
         getattr(lib, name).restype = ctypes.c_int
     lib.amx_set.argtypes = [ctypes.c_int]
     lib.amx_set.restype = None
+    if not env.flag("TRITON_LLM_AMX"):        # the C code reads no environment: told here
+        lib.amx_set(0)
     lib.linear_bf16_test.argtypes = [_P, _I, _I, _P, _P, _I, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     lib.linear_bf16_test.restype = ctypes.c_int
     return lib

@@ -28,8 +28,14 @@ import typing
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "reference.md"
-ENV_DIRS = ("backend", "client", "kernels", "model_repository", "load", "scripts", "bench")
-METRIC_DIRS = ("backend", "client", "kernels", "model_repository")
+LAB_DIRS = ("bench", "load", "tools", "scripts")
+NOT_CODE = {"tests", "docs", "build", "models", "docker"}
+# every top-level folder of code: a new package is scanned without an edit here
+CODE_DIRS = tuple(sorted(d.name for d in ROOT.iterdir() if d.is_dir() and d.name not in NOT_CODE
+                         and not d.name.startswith(".") and not d.name.endswith(".egg-info")))
+ENV_DIRS = CODE_DIRS
+METRIC_DIRS = tuple(d for d in CODE_DIRS if d not in LAB_DIRS)
+REGISTRY = "common.env"          # the product's table of environment variables (VARS), when present
 SELF = pathlib.Path(__file__).resolve()
 PROJECT_ENV = re.compile(r"TRITON_LLM_[A-Z0-9_]+")
 ENV_NAME = re.compile(r"[A-Z][A-Z0-9_]*")
@@ -37,8 +43,8 @@ METRIC = re.compile(r"(triton_)?llm_[a-z0-9_]+")
 C_GETENV = re.compile(r'getenv\(\s*"([A-Za-z_][A-Za-z0-9_]*)"\s*\)')
 
 # Meanings the code does not state next to the name (an option without a comment or whose comment
-# does not read alone, a variable, a flag without help: "COMMAND FLAG"). A name here that the code
-# no longer has is simply not written.
+# does not read alone, a lab variable outside the registry, a flag without help: "COMMAND FLAG").
+# A name here that the code no longer has is simply not written.
 NOTES = {
     "busy_hold_steps": "serving, under load: hold a stream's tokens for at least this many of its own gaps between steps",
     "busy_hold_max": "serving, under load: ... up to this many seconds (slow steps still gather)",
@@ -50,30 +56,9 @@ NOTES = {
     "disk_tier_blocks": "blocks in the disk KV tier",
     "device": "torch device of the model and KV pool (cpu, cuda)",
     "seed": "seed of the engine's sampler (a request's own seed wins)",
-    "TRITON_LLM_FUSED_DECODE": "0: steps run the torch path instead of the fused C step (A/B only)",
-    "TRITON_LLM_FUSED_MAX_TOKENS": "steps with more tokens than this run the torch path",
-    "TRITON_LLM_FUSED_GEMM_MIN_M": "fused-step linears with at least this many rows call MKL's sgemm",
-    "TRITON_LLM_HUGE_PAGES": "0: no MADV_HUGEPAGE weight arena",
-    "TRITON_LLM_CPU_KERNELS": "0: never build or load the C kernels (torch paths only)",
-    "TRITON_LLM_INT8_ACT": "int16 | fp32: activations of the int8 GEMMs",
-    "TRITON_LLM_KERNEL_CACHE": "folder of the compiled C kernels (private, 0700; default under build/)",
-    "TRITON_LLM_STEP_POOL": "0: the fused step runs without its worker pool",
-    "TRITON_LLM_AMX": "0: bf16 linears never use AMX tiles",
-    "TRITON_LLM_ENGINE_NICE": "nice level of the engine thread (the launcher sets -19)",
-    "TRITON_LLM_TEST_FAULTS": "1: honour the test_faults engine option (tests only)",
-    "TRITON_LLM_RESPONSE_SENDERS": "sender threads of the response thread (0 = sends inline)",
-    "TRITON_LLM_DRAIN_SECONDS": "serve's drain on SIGTERM: open streams may finish this long",
-    "TRITON_LLM_API_KEYS": "comma-separated shim API keys, KEY[:TENANT] each",
-    "TRITON_LLM_INSECURE_NO_API_KEYS": "1: the shim may serve without keys (--insecure-no-api-keys)",
-    "TRITONSERVER": "path of the tritonserver binary (else PATH, then /opt/tritonserver)",
-    "RAY_ADDRESS": "the Ray cluster serve --replicas joins (else a local one)",
-    "RAY_AUTH_MODE": "token: Ray token authentication is on (checked before joining)",
-    "RAY_AUTH_TOKEN": "Ray's auth token (joining a cluster needs it or its path)",
-    "RAY_AUTH_TOKEN_PATH": "file holding Ray's auth token",
+    "TRITON_LLM_STEP_POOL": "0: the fused step runs without its worker pool (read by the C kernels)",
     "LLM_TTFT_TRACE": "folder: record first-token timestamps per process (lab trace)",
-    "TRITON_INTERPRET": "1: Triton kernels run in the interpreter (no GPU)",
     "PYTHONPATH": "with bench/attach on it, the lab serves the checkout it names (`overhead_ab NAME@tree=DIR`)",
-    "CC": "C compiler for the CPU kernels (else cc, gcc, clang)",
     "OUT": "gpu_check.py writes its logs under $OUT/gpu_check",
     "TMPDIR": "gpu_check.py builds its 200 MB checkpoint here",
     "triton-llm make-model preset": "the shape preset (backend/make_model.py PRESETS)",
@@ -234,12 +219,54 @@ def env_reads(path: pathlib.Path, docs: dict[str, str] | None = None) -> dict[st
     return found
 
 
+def _registry() -> dict[str, tuple[object, str]]:
+    """name -> (default, doc) from the product's environment registry, {} when there is none."""
+    import importlib
+    try:
+        mod = importlib.import_module(REGISTRY)
+    except ImportError:
+        return {}
+    return {name: (getattr(v, "default", None), getattr(v, "doc", "")) for name, v in getattr(mod, "VARS", {}).items()}
+
+
+def _literal_uses(names: set[str]) -> tuple[dict[str, list[str]], dict[str, object]]:
+    """(name -> the files whose code names it, where a registry variable is read; name -> the
+    default its reader passes, e.g. ``env.integer(NAME, MAX_TOKENS)``)."""
+    uses: dict[str, list[str]] = {n: [] for n in names}
+    defaults: dict[str, object] = {}
+    registry_file = ROOT / (REGISTRY.replace(".", "/") + ".py")
+    for path in _source_files(ENV_DIRS, {".py"}):
+        if path.resolve() == registry_file.resolve():
+            continue
+        tree = ast.parse(path.read_text())
+        consts = _constants(tree)
+        found = set()
+        for n in ast.walk(tree):
+            v = _value(n, consts) if isinstance(n, (ast.Constant, ast.Name)) else None
+            if isinstance(v, str) and v in names:
+                found.add(v)
+            if isinstance(n, ast.Call) and len(n.args) > 1 and _value(n.args[0], consts) in names:
+                defaults.setdefault(_value(n.args[0], consts), _value(n.args[1], consts))
+        for v in found:
+            uses[v].append(_rel(path))
+    return uses, defaults
+
+
 def env_vars() -> list[tuple]:
-    """(name, default text, files, meaning), sorted by name."""
+    """(name, default text, files, meaning), sorted by name: the registry's variables (where each is
+    named) and every other read the scan finds (the lab's, a read that bypasses the registry)."""
     table: dict[str, tuple[object, list[str]]] = {}
     docs: dict[str, str] = {}
+    registry = _registry()
+    uses, reader_defaults = _literal_uses(set(registry))
+    for name, (default, doc) in registry.items():
+        default = default if default is not None else reader_defaults.get(name)
+        table[name] = (default, uses[name] or [REGISTRY.replace(".", "/") + ".py"])
+        docs[name] = doc
     for path in _source_files(ENV_DIRS, {".py", ".c", ".h", ".cpp", ".cu"}):
         for name, default in env_reads(path, docs).items():
+            if name in registry:
+                continue
             d, files = table.setdefault(name, (None, []))
             files.append(_rel(path))
             if d is None and default is not None:
@@ -356,8 +383,9 @@ def render() -> str:
             part = p
         lines.append(f"| `{name}` | {_md(typ)} | {_md(default)} | {_md(meaning)} |")
     lines += ["", "## Environment variables", "",
-              "Every variable the code reads (product, `load/`, `scripts/`, the lab), the default it",
-              "assumes when unset, and where it is read.", "",
+              "The product's variables are declared in `common/env.py` (the one module that reads them);",
+              "the lab's (`bench/`, `load/`, `scripts/`, `tools/`) are found where they are read. Default:",
+              "what the code assumes when unset; read in: the files that name it.", "",
               "| variable | default | read in | meaning |", "|---|---|---|---|"]
     for name, default, files, meaning in env_vars():
         where = ", ".join(f"`{f}`" for f in files)

@@ -38,7 +38,7 @@ count never changes the bits (tests/unit/test_model_fused_decode.py
 ``test_thread_count_and_pool_do_not_change_the_step``).
 
 Threads: the step's parallel loops run on the C library's own worker pool (a caller that does not
-wait for a worker that has not started, docs/kernels.md; ``TRITON_LLM_STEP_POOL=0``: OpenMP
+wait for a worker that has not started, docs/kernels.md; ``step_pool_set(0)`` (tests): OpenMP
 regions), with ``torch.get_num_threads()`` threads. (A per-step thread count chosen from measured
 step times, ``TRITON_LLM_STEP_THREADS=auto``, gained nothing and was removed: docs/benchmarks.md,
 sixth round.)

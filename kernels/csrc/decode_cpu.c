@@ -154,7 +154,7 @@ static inline float hsum(v8 a) {
  * A worker spins briefly (POOL_SPIN pauses) for the next loop, then sleeps on a futex; the caller
  * wakes sleepers when it publishes a loop (and does not wait for them to wake up). One caller at
  * a time: a second thread calling in while the pool is busy runs its loop alone.
- * TRITON_LLM_STEP_POOL=0 selects OpenMP regions instead (the A/B); the pool's workers are started
+ * step_pool_set(0) selects OpenMP regions instead (the tests); the pool's workers are started
  * on first use, one fewer than the thread count asked for (at most POOL_MAX). */
 #include <pthread.h>
 #include <stdatomic.h>
@@ -235,22 +235,13 @@ static void *pool_worker(void *arg) {
     return NULL;
 }
 
-static int pool_on = -1;             /* -1: read TRITON_LLM_STEP_POOL on first use */
+static int pool_on = 1;
 
-/* 1: the pool runs the parallel loops, 0: OpenMP regions (tests and A/B tools; the default
- * comes from TRITON_LLM_STEP_POOL). Not while a step runs. */
+/* 1 (default): the pool runs the parallel loops, 0: OpenMP regions (the tests' invariance
+ * checks). Not while a step runs. */
 void step_pool_set(int on) { pool_on = on != 0; }
 
-static int pool_enabled(void) {
-    int on = pool_on;
-    if (on < 0) {
-        const char *e = getenv("TRITON_LLM_STEP_POOL");
-        on = !(e && (e[0] == '0' || e[0] == 'n' || e[0] == 'N' || e[0] == 'f' || e[0] == 'F' ||
-                     ((e[0] == 'o' || e[0] == 'O') && (e[1] == 'f' || e[1] == 'F'))));
-        pool_on = on;
-    }
-    return on;
-}
+static int pool_enabled(void) { return pool_on; }
 
 /* Start workers up to `want`; returns how many run (0 when none could start). */
 static int pool_start(int want) {
@@ -306,7 +297,7 @@ static void pool_run(int nt, int64_t n, chunk_fn fn, void *ctx) {
     pthread_mutex_unlock(&pool.busy);
 }
 
-/* A parallel loop of n chunks: the pool, or (TRITON_LLM_STEP_POOL=0) an OpenMP region, static or
+/* A parallel loop of n chunks: the pool, or (step_pool_set(0)) an OpenMP region, static or
  * dynamic schedule, as before the pool. */
 static void par_for(int nt, int64_t n, chunk_fn fn, void *ctx, int dynamic) {
     if (nt <= 1 || n <= 1) {
@@ -690,14 +681,12 @@ static void amx_chunk(void *p, int64_t c) {
 }
 #endif
 
-static int amx_state = -1;               /* -1: not asked yet; TRITON_LLM_AMX=0 turns it off */
+static int amx_state = -1;               /* -1: not asked yet; amx_set(0) turns it off */
 
 int amx_supported(void) {
 #ifdef HAVE_AMX
     if (amx_state < 0) {
-        const char *env = getenv("TRITON_LLM_AMX");
-        amx_state = (env && env[0] == '0') ? 0 : syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
-                                                         18 /* XFEATURE_XTILEDATA */) == 0;
+        amx_state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
     }
     return amx_state;
 #else
