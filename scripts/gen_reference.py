@@ -6,9 +6,10 @@
 Every list is read from the code, so a new option, variable or metric appears here without an edit:
 - engine options: the leaf fields of ``backend.config.EngineArgs`` (nested dataclass parts are
   walked), their defaults, and the comment beside each field in the source;
-- environment variables: every ``os.environ`` / ``environ`` / ``getenv`` read (names resolved through
-  module constants) in the product and lab folders, every ``getenv("...")`` in C, and every
-  ``TRITON_LLM_*`` string constant (variables set for a child process are read there);
+- environment variables: the registry's table (``common/env.py`` ``VARS``: name, default, doc) with
+  the files that name each, plus every other ``os.environ`` / ``environ`` / ``getenv`` read (names
+  resolved through module constants) in every top-level code folder, every ``getenv("...")`` in C,
+  and every ``TRITON_LLM_*`` string constant (variables set for a child process are read there);
 - metrics: every metric name defined with its help text (a ``counter``/``gauge``/``histogram`` call
   or a ``{name: doc}`` table);
 - command lines: the argparse parsers of ``triton-llm`` and ``python -m client.shim``.
