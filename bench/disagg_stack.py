@@ -254,7 +254,8 @@ def main() -> None:
     finally:
         for server in [*unifieds.values(), *pairs.values()]:
             server.stop()
-    print(f"\npreset={a.preset} streams={a.streams}x{a.stream_tokens} tok{' staggered' if a.stagger else ''}, bursts {a.burst}x{a.burst_len}-token "
+    print(f"\npreset={a.preset} streams={a.streams}x{a.stream_tokens} tok{' staggered' if a.stagger else ''}, "
+          f"bursts {a.burst}x{a.burst_len}-token "
           f"prompts every {a.burst_every}s ({a.burst_tokens} tok each), {a.seconds}s x {a.rounds} rounds, "
           f"cpus={a.cpus}, connector={a.connector}, host cores={os.cpu_count()}, "
           f"loadavg={os.getloadavg()[0]:.1f}")

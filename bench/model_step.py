@@ -67,7 +67,8 @@ def run(model_dir: str, *, batch: int, context: int, steps: int, dtype: str, blo
                           f"{name}_mean_ms": round(1e3 * sum(t) / len(t), 2),
                           f"{name}_best_cpu_ms": round(1e3 * min(c), 2)})
         extra["speedup_best_cpu"] = round(min(ab["torch"][1]) / min(ab["fused"][1]), 2)
-    return {"model": model_dir, "dtype": dtype, "kv_cache_dtype": kv_cache_dtype, "backend": runner.attention.name, "threads": torch.get_num_threads(),
+    return {"model": model_dir, "dtype": dtype, "kv_cache_dtype": kv_cache_dtype, "backend": runner.attention.name,
+            "threads": torch.get_num_threads(),
             "batch": batch, "context": context, "prefill_tok_s": round(batch * context / prefill_s, 1),
             "decode_tok_s": round(batch * steps / decode_s, 1), "decode_ms_per_step": round(1e3 * decode_s / steps, 2),
             "decode_best_tok_s": round(batch / min(times[1:]), 1), "decode_best_cpu_ms": round(1e3 * min(cpu[1:]), 2), **extra}

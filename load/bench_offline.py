@@ -76,7 +76,8 @@ def run_engine(model_dir, reqs, options: dict) -> dict:
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     assert tokens == sum(o for _, o in reqs), "ignore_eos: every request produces exactly its length"
     return {"seconds": elapsed, "output_tokens": tokens, "output_throughput": tokens / elapsed,
-            "cpu_seconds": cpu, "cpu_throughput": tokens / cpu, "requests": len(reqs), "num_preemptions": after.num_preemptions - before.num_preemptions,
+            "cpu_seconds": cpu, "cpu_throughput": tokens / cpu, "requests": len(reqs),
+            "num_preemptions": after.num_preemptions - before.num_preemptions,
             "outputs": {i: o.outputs[0].token_ids for i, o in enumerate(outs)}}
 
 

@@ -3,7 +3,8 @@ of ``make test``):
 
     python -m load.chat_latency [--user-chars 10000] [--assistant-chars 100000] [--max-bytes 33554432]
 
-Its own tritonserver (the default model, SmolLM2: a 10k-character turn needs its 8k context) and shim (two API keys, two tenants). Tenant ``builder`` makes
+Its own tritonserver (the default model, SmolLM2: a 10k-character turn needs its 8k context) and shim
+(two API keys, two tenants). Tenant ``builder`` makes
 one conversation and adds turns the way the chat page does (a user message, whose context the
 server computes, then the assistant's reply) until the byte quota refuses one (429
 ``insufficient_quota``), then reads the whole conversation back 5 times. Meanwhile tenant

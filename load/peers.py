@@ -7,7 +7,8 @@ chat template, which they would render differently). 64 requests at 16 streams, 
 (times ``--scale``). llama.cpp runs ``-np`` = the largest stream count, ``-t`` = all cores (or
 ``--peer-threads``; give ours the same with ``--engine-option num_threads=N``),
 continuous batching, its KV cache as ``--peer-cache-type`` says (default: its own default, f16;
-``same`` = the weights' dtype, which made it much slower at 16 streams here: docs/benchmarks.md); ours is the launcher's stack through the OpenAI shim with ``load/stack.py``'s
+``same`` = the weights' dtype, which made it much slower at 16 streams here: docs/benchmarks.md); ours is the
+launcher's stack through the OpenAI shim with ``load/stack.py``'s
 options for the preset and ``dtype`` set to the run's.
 
 Quantized (``--dtypes q8_0 q4_0``): llama.cpp serves the f32 GGUF quantized by its own

@@ -21,7 +21,8 @@ QuantLinear computes) -- or a bf16 model (every weight bf16) on a CPU with AVX51
 bf16, inputs rounded to bf16 and multiplied with fp32 accumulation on AMX tiles (from 6 tokens, where
 Linux grants the tile state; ``TRITON_LLM_AMX=0`` turns them off) or VDPBF16PS tiles, or, without
 AVX512-BF16, AVX2 tiles that widen the bf16 weights in registers (kernels/csrc/bf16_avx2.c), the
-rest of the step in fp32 (fp32 copies of the norm weights and biases) --, the torch attention backend, the C library built (``kernels.cpu.decode_library``),
+rest of the step in fp32 (fp32 copies of the norm weights and biases) --, the torch attention backend,
+the C library built (``kernels.cpu.decode_library``),
 and ``TRITON_LLM_FUSED_DECODE`` not ``0`` (that switches all of it off). Per step,
 :meth:`FusedDecoder.accepts` takes every all-decode batch and a batch with prefill chunks of at most
 ``TRITON_LLM_FUSED_MAX_TOKENS`` new tokens (default :data:`MAX_TOKENS`; 0 = all-decode steps only).
@@ -99,7 +100,8 @@ def _qw(mod) -> _QW:
 def _quant_ok(mod) -> bool:
     """A QuantLinear the C GEMMs can read in place: int8/int4, CPU, contiguous, fp32 bias."""
     ts = [mod.qweight, mod.scales] + ([] if mod.zeros is None else [mod.zeros])
-    return (mod.method in _KIND and (mod.method == "int8") == (mod.zeros is None) and all(t.device.type == "cpu" and t.is_contiguous() for t in ts)
+    return (mod.method in _KIND and (mod.method == "int8") == (mod.zeros is None)
+            and all(t.device.type == "cpu" and t.is_contiguous() for t in ts)
             and mod.scales.dtype == torch.float16 and (mod.zeros is None or mod.zeros.dtype == torch.float16)
             and _f32(mod.bias))
 

@@ -16,7 +16,6 @@ started ends it with an ``error`` event.
 """
 from __future__ import annotations
 
-import uuid
 
 from client.shim.format import dumps
 from client.shim.tools import loads_model_json

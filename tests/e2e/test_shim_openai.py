@@ -5,7 +5,6 @@ import asyncio
 from dataclasses import asdict
 
 import httpx
-import openai
 import pytest
 
 from backend.config import EngineArgs

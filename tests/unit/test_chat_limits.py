@@ -11,7 +11,6 @@ import threading
 from types import SimpleNamespace
 
 import httpx
-import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 

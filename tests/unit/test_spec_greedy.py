@@ -129,7 +129,8 @@ def test_stop_string_and_max_tokens_inside_an_accepted_run():
     cfg = {"method": "draft_model", "model": str(d), "num_speculative_tokens": 6}   # accepts everything
     spec = LLM(d, num_kv_blocks=256, speculative_config=cfg)
     for params in (SamplingParams(temperature=0, max_tokens=40, stop=[stop]),
-                   SamplingParams(temperature=0, max_tokens=13), SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[full.token_ids[17]])):
+                   SamplingParams(temperature=0, max_tokens=13),
+                   SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[full.token_ids[17]])):
         want = plain.generate([prompt], params)[0].outputs[0]
         got = spec.generate([prompt], params)[0].outputs[0]
         assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, want.finish_reason)
