@@ -57,7 +57,6 @@ NOTES = {
     "disk_tier_blocks": "blocks in the disk KV tier",
     "device": "torch device of the model and KV pool (cpu, cuda)",
     "seed": "seed of the engine's sampler (a request's own seed wins)",
-    "TRITON_LLM_STEP_POOL": "0: the fused step runs without its worker pool (read by the C kernels)",
     "LLM_TTFT_TRACE": "folder: record first-token timestamps per process (lab trace)",
     "PYTHONPATH": "with bench/attach on it, the lab serves the checkout it names (`overhead_ab NAME@tree=DIR`)",
     "OUT": "gpu_check.py writes its logs under $OUT/gpu_check",
