@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import argparse
-import pathlib
 import sys
 
 # KV pool for `serve` when no kv_cache_memory / num_kv_blocks option is given: 1 GiB holds about
