@@ -37,16 +37,13 @@ class ServerStartError(RuntimeError):
 
 
 # OpenMP threads that wait for work sleep at once instead of spinning (libgomp spins ~0.1-0.3 ms
-# after every parallel region by default). In a process of its own the engine's spinning worker
-# costs nothing; in the server it takes the core that tritonserver, the shim and the response
-# thread need between steps, so they preempt the engine thread instead (measured: the engine
-# thread waited ~5-10 ms per 32-stream step on the run queue; docs/benchmarks.md "The GIL and
-# idle cores"). A value in the caller's environment wins.
-# The engine thread at nice -19 (backend/engine/engine_loop.py; applied where the process may raise
-# a thread's priority, else ignored): the plumbing's bursts otherwise preempt it ~16 times per
-# 32-stream step (0.13-0.23 ms of run-queue wait per token on bench-15m, the whole gap to the
-# in-process engine); the step's pool worker stays at the process's priority, so they preempt the
-# worker instead, whose chunks the engine thread takes over (docs/benchmarks.md, sixth round).
+# after every parallel region): in the server a spinning worker takes the core that tritonserver,
+# the shim and the response thread need between steps, so they preempted the engine thread
+# (~5-10 ms of run-queue wait per 32-stream step). The engine thread at nice -19
+# (backend/engine/engine_loop.py; applied where the process may raise a thread's priority): the
+# plumbing's bursts then preempt the step's pool worker instead, whose chunks the engine thread
+# takes over (0.13-0.23 ms of run-queue wait per token on bench-15m before). A value in the
+# caller's environment wins.
 STUB_ENV_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "TRITON_LLM_ENGINE_NICE": "-19"}
 
 
