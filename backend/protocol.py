@@ -138,6 +138,8 @@ ABORT_REQUEST_ID = "abort_request_id"   # a control request to the engine: stop 
                                         # (only a request of the same tenant)
 CACHE_SALT = "cache_salt"           # honoured only with the engine option allow_client_salt
 LORA = "lora"                       # a LoRA adapter's name (docs/lora.md); absent = the base model
+LORA_ADMIN = "lora_admin"           # a control request to the engine: JSON {"action": "load" | "unload",
+                                    # "lora_name", "lora_path"} (backend/serving/lora_control.py)
 # Prefill/decode disaggregation (docs/disaggregation.md): a prefill engine ends a request it hands
 # over with finish_reason FINISH_HANDOVER and no tokens; the record (backend/disagg/handover.py, JSON
 # text) rides under key HANDOVER in that final response's METRICS JSON, which every ensemble step

@@ -20,6 +20,7 @@ from backend import protocol as P
 from backend.engine.roles import takes_handover
 from backend.errors import EngineError, invalid_request, unavailable
 from backend.outputs import StepDelta
+from backend.serving import lora_control
 from backend.serving.errors import as_engine_error
 from backend.serving.messages import ControlAnswered, DeltaArrived, Incoming, Opened, Rejected, RequestHandle
 from backend.serving.postprocess import skip_special_tokens
@@ -59,6 +60,9 @@ class Intake:
 
     def _admit(self, h: RequestHandle, inc: Incoming, now: float) -> None:
         params = parse_parameters(inc.parameters)
+        if params.get(P.LORA_ADMIN) not in (None, ""):     # load / unload an adapter (lora_control.py)
+            lora_control.handle(self.loop, params[P.LORA_ADMIN], h, self.responses.post, now)
+            return
         target = params.get(P.ABORT_REQUEST_ID)
         if target not in (None, ""):
             tenant = params.get(P.TENANT)

@@ -27,6 +27,7 @@ from client.shim.errors import from_llm_error, install_handlers
 from client.shim.format import Tally
 from client.shim.generation import collect, merged
 from client.shim.limits import BodyLimit
+from client.shim.lora_routes import router as lora_router
 from client.shim.response_store import ResponseStore
 from client.shim.responses import router as responses_router
 from client.shim.routes import router
@@ -96,6 +97,7 @@ def create_app(settings: ShimSettings | None = None, *, client: LLMClient | None
     app.add_middleware(KeyFirst, keys=keys)            # 401 before the body is read (outside BodyLimit)
     app.include_router(router)
     app.include_router(embeddings_router)             # /v1/embeddings
+    app.include_router(lora_router)                   # /v1/load_lora_adapter, /v1/unload_lora_adapter
     app.state.response_store = ResponseStore(settings.response_store_items, settings.response_store_bytes)
     app.include_router(responses_router)                  # /v1/responses
     app.include_router(anthropic_router)                  # /v1/messages

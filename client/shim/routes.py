@@ -76,7 +76,7 @@ def _params(request: Request, body, key: KeyPolicy, lora: str | None = None) -> 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request,
                            key: KeyPolicy = Depends(authenticated)):
-    lora = adapter_for(_state(request).settings, body.model)
+    lora = adapter_for(_state(request), body.model)
     await _check_prompt(request, body.prompt_chars(), "messages")
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     timing.mark(rid, "shim.recv")
@@ -96,7 +96,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, key: KeyPolicy = Depends(authenticated)):
-    lora = adapter_for(_state(request).settings, body.model)
+    lora = adapter_for(_state(request), body.model)
     await _check_prompt(request, body.prompt_chars(), "prompt")
     rid = f"cmpl-{uuid.uuid4().hex}"
     timing.mark(rid, "shim.recv")
@@ -184,14 +184,14 @@ async def _events(first, items, tally: Tally, param_names: dict[str, str]):
 @router.get("/v1/models")
 async def list_models(request: Request, _key: KeyPolicy = Depends(authenticated)):
     s = _state(request)
-    return {"object": "list", "data": [await _model_card(request), *adapter_cards(s.settings, s.created)]}
+    return {"object": "list", "data": [await _model_card(request), *adapter_cards(s)]}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, request: Request, _key: KeyPolicy = Depends(authenticated)):
     s = _state(request)
-    if adapter_for(s.settings, model_id) is not None:
-        return next(c for c in adapter_cards(s.settings, s.created) if c["id"] == model_id)
+    if adapter_for(s, model_id) is not None:
+        return next(c for c in adapter_cards(s) if c["id"] == model_id)
     return await _model_card(request)
 
 

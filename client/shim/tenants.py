@@ -2,7 +2,7 @@
 
 A keys-file line (also one comma-separated entry of env TRITON_LLM_API_KEYS)::
 
-    KEY[:TENANT] [priority=P] [max_concurrent=N]
+    KEY[:TENANT] [priority=P] [max_concurrent=N] [admin=1]
 
 - ``tenant`` goes to Triton as the ``tenant`` request parameter: the engine salts the prefix cache
   with it and enforces its per-tenant running/waiting limits by it.
@@ -10,6 +10,8 @@ A keys-file line (also one comma-separated entry of env TRITON_LLM_API_KEYS)::
   requests may ask for: a client may only lower its own priority (send a larger number).
 - ``max_concurrent`` (default: no limit) bounds the key's open generation requests in this shim;
   one more is a 429 with ``Retry-After`` before any work is done.
+- ``admin=1`` lets the key use the admin routes (``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``);
+  no other key, and no caller of a shim without keys, may.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ class KeyPolicy:
     priority: int = 0
     max_concurrent: int | None = None
     key_id: str = ""                 # names the key in the concurrency count (never the key itself)
+    admin: bool = False              # may use the admin routes (client/shim/lora_routes.py)
 
 
 OPEN = KeyPolicy(OPEN_TENANT, key_id="open")
@@ -61,9 +64,9 @@ def parse_key_entry(entry: str) -> tuple[str, KeyPolicy] | None:
     values: dict[str, int] = {}
     for opt in opts:
         name, eq, value = opt.partition("=")
-        if name not in ("priority", "max_concurrent") or not eq:
+        if name not in ("priority", "max_concurrent", "admin") or not eq:
             raise ValueError(f"API key entry for tenant {tenant or '(own)'}: unknown option {opt!r} "
-                             "(expected priority=P or max_concurrent=N)")
+                             "(expected priority=P, max_concurrent=N or admin=1)")
         try:
             values[name] = int(value)
         except ValueError:
@@ -74,14 +77,16 @@ def parse_key_entry(entry: str) -> tuple[str, KeyPolicy] | None:
     limit = values.get("max_concurrent")
     if limit is not None and limit < 1:
         raise ValueError("API key option max_concurrent must be at least 1")
-    return key, KeyPolicy(tenant or default_tenant(key), priority, limit, _digest(key))
+    if values.get("admin", 0) not in (0, 1):
+        raise ValueError("API key option admin must be 0 or 1")
+    return key, KeyPolicy(tenant or default_tenant(key), priority, limit, _digest(key), bool(values.get("admin")))
 
 
 def as_policy(key: str, value) -> KeyPolicy:
     """``ShimSettings.api_keys`` values: a tenant name or a KeyPolicy."""
     if isinstance(value, KeyPolicy):
         return value if value.key_id else KeyPolicy(value.tenant, value.priority,
-                                                    value.max_concurrent, _digest(key))
+                                                    value.max_concurrent, _digest(key), value.admin)
     return KeyPolicy(str(value) or default_tenant(key), key_id=_digest(key))
 
 
