@@ -46,3 +46,18 @@ def test_unload_while_streaming(tiny_model, adapter):
         for d in eng.step():
             got += d.new_token_ids
     assert got == want
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_speculative_decoding_verifies_with_the_adapter(tiny_model, tiny_qwen2_model, adapter, method):
+    """The draft (another model without adapters, or prompt lookup) proposes; the target verifies
+    with the request's adapter, so greedy outputs equal plain decoding on the adapter."""
+    spec = {"method": method, "num_speculative_tokens": 3, "disable_by_batch_size": 64, "min_accepted_tokens": 0}
+    spec.update({"model": str(tiny_qwen2_model)} if method == "draft_model" else {"prompt_lookup_max": 3})
+    prompts = [PROMPT, PROMPT[:7] * 3]
+    params = [SamplingParams(lora=r, **{**GREEDY, "max_tokens": 16, "min_tokens": 16}) for r in ("a", None)]
+    plain = LLM(tiny_model, max_loras=1, num_kv_blocks=32, lora_modules={"a": adapter})
+    fast = LLM(tiny_model, max_loras=1, num_kv_blocks=32, lora_modules={"a": adapter}, speculative_config=spec)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    assert [o.outputs[0].token_ids for o in fast.generate(prompts, params)] == want
+    assert fast.engine.stats().spec_drafted_tokens > 0
