@@ -33,3 +33,23 @@ def make_adapter(base_dir: pathlib.Path, out: pathlib.Path, rank: int, alpha: in
 
 def make_adapters(base_dir: pathlib.Path, root: pathlib.Path) -> dict[str, pathlib.Path]:
     return {name: make_adapter(base_dir, root / name, *spec) for name, spec in ADAPTERS.items()}
+
+
+def peft_greedy(base_dir: pathlib.Path, adapter_dir: pathlib.Path | None, prompts: list[list[int]],
+                max_new: int) -> list[list[int]]:
+    """transformers' greedy tokens (exactly ``max_new``), the adapter applied by PEFT (unmerged)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    if adapter_dir is not None:
+        model = PeftModel.from_pretrained(model, adapter_dir)
+    model.eval()
+    out = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new,
+                                 min_new_tokens=max_new, pad_token_id=0)
+            out.append(gen[0, len(p):].tolist())
+    return out
