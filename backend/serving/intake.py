@@ -79,6 +79,8 @@ class Intake:
         if not self.accepting:
             raise unavailable("the server is shutting down")
         settings = request_settings(params)
+        if settings.sampling.lora is not None:     # an evicted adapter is read here, not in a step
+            lora_control.warm(self.loop, settings.sampling.lora)
         fit_context(settings, len(inc.input_ids), self.max_model_len, "input_ids")
         extra = {}
         record = params.get(P.HANDOVER)         # a continuation (prefill/decode disaggregation)

@@ -13,7 +13,7 @@ import threading
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from backend.errors import EngineError, invalid_request
+from backend.errors import EngineError, invalid_request, unavailable
 from backend.lora.adapter import LoRAError
 from backend.lora.registry import LoRARegistry, UnknownAdapter
 from backend.serving.messages import ControlAnswered, Rejected, RequestHandle
@@ -22,6 +22,22 @@ from backend.serving.messages import ControlAnswered, Rejected, RequestHandle
 def registry_of(loop: Any) -> LoRARegistry | None:
     """The engine's adapter registry (None when LoRA is off or the loop has no local engine)."""
     return getattr(getattr(getattr(loop, "engine", None), "runner", None), "loras", None)
+
+
+def warm(loop: Any, name: str) -> None:
+    """Make a request's adapter resident before the request reaches the engine, so an evicted
+    adapter is read from disk here (intake) rather than on the engine thread during a step.
+    An unknown name is the request's 400 now. (Should it be evicted again before the engine
+    resolves it, the engine reads it once more: correct, only slower.)"""
+    registry = registry_of(loop)
+    if registry is None:
+        return                              # LoRA off: the engine gives the error
+    try:
+        registry.resolve(name)
+    except UnknownAdapter:
+        raise invalid_request("lora", f"unknown LoRA adapter {name!r}") from None
+    except LoRAError as exc:
+        raise unavailable(f"LoRA adapter {name!r}: {exc}") from None
 
 
 def parse_command(raw: Any) -> tuple[str, str, str | None]:
