@@ -10,6 +10,7 @@ from __future__ import annotations
 from fastapi import Request
 
 from backend import timing
+from client.shim.lora import adapter_for
 from client.shim.routes import _check_prompt, _params, _respond, _state
 from client.shim.schemas import ChatCompletionRequest
 from client.shim.tenants import KeyPolicy
@@ -20,7 +21,7 @@ async def respond_chat(request: Request, key: KeyPolicy, chat: ChatCompletionReq
     """Generate ``chat`` and answer with ``tally``'s shape (a whole body, or its SSE stream)."""
     await _check_prompt(request, chat.prompt_chars(), prompt_param)
     timing.mark(tally.id, "shim.recv")
-    params = _params(request, chat, key)
+    params = _params(request, chat, key, adapter_for(_state(request), chat.model))   # model -> adapter
     slot = _state(request).in_flight.acquire(key)
     agens = [_state(request).client.generate(messages=chat.messages_json(), request_id=tally.id,
                                              params=params, stream=chat.stream)]

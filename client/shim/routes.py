@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from backend import protocol as P
 from backend import timing
 from client.errors import InternalError, TritonLLMError, UnavailableError
-from client.shim.errors import from_llm_error, model_not_found, not_ready
+from client.shim.errors import from_llm_error, not_ready
 from client.shim.format import Tally
 from client.shim.generation import ClientDisconnected, collect, merged, until_disconnect
 from client.shim.limits import check_prompt_chars
@@ -44,8 +44,8 @@ async def authenticated(request: Request) -> KeyPolicy:
 
 
 def _check_model(request: Request, model: str) -> None:
-    if model != _state(request).settings.served_model:
-        raise model_not_found(model)
+    """404 unless ``model`` is the served model or one of its adapters (lora.py)."""
+    adapter_for(_state(request), model)
 
 
 async def _check_prompt(request: Request, chars: int, param: str) -> None:

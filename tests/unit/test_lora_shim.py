@@ -42,3 +42,17 @@ def test_models_list_and_unknown(setup):
 def test_lora_name_argument():
     args = build_parser().parse_args(["--lora-name", "a", "--lora-name", "b"])
     assert settings_from_args(args).lora_names == ("a", "b")
+
+
+def test_responses_and_messages_name_adapters_too(setup):
+    import anthropic
+
+    fake, sdk = setup
+    sdk.responses.create(model="ada16", input="hi", max_output_tokens=4)
+    http = sdk._client                                  # the TestClient under the openai SDK
+    claude = anthropic.Anthropic(base_url="http://testserver", api_key="x", http_client=http)
+    claude.messages.create(model="ada8", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+    claude.messages.create(model="tiny", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+    assert [c["params"].get("lora") for c in fake.calls] == ["ada16", "ada8", None]
+    with pytest.raises(anthropic.NotFoundError):
+        claude.messages.create(model="ada99", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
