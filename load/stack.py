@@ -27,7 +27,7 @@ def engine_options(model: str, extra: list[str] | None = None) -> dict:
     preset (the default model) gets the KV budget ``triton-llm serve`` gives it, so a run measures
     what a user of ``serve`` gets (EngineArgs' own 256 MiB had evicted the prompts that a peers
     run replays)."""
-    from backend.cli import SERVE_KV_CACHE_MEMORY
+    from triton_llm.cli import SERVE_KV_CACHE_MEMORY
     from backend.make_model import PRESETS
 
     given, name = parse_options(extra), pathlib.Path(model).name

@@ -353,7 +353,7 @@ def _flags(cmd: str, parser: argparse.ArgumentParser) -> list[tuple]:
 
 def command_lines() -> dict[str, list[tuple]]:
     """'triton-llm SUB' / 'python -m client.shim' -> (flag, default, meaning) rows."""
-    from backend.cli import build_parser
+    from triton_llm.cli import build_parser
     from client.shim.settings import build_parser as shim_parser
     out = {}
     for a in build_parser()._actions:

@@ -116,7 +116,7 @@ def _make_model(deadline: float) -> str:
     out = os.path.join(os.environ.get("TMPDIR", "/tmp"), "gpu_check_bench-110m")   # not under $OUT: 200+ MB
     if os.path.exists(os.path.join(out, "config.json")):
         return out
-    cmds = [[sys.executable, "-m", "backend.cli", "make-model", "bench-110m", "--out", out],
+    cmds = [[sys.executable, "-m", "triton_llm.cli", "make-model", "bench-110m", "--out", out],
             [os.path.join(ROOT, ".venv", "bin", "triton-llm"), "make-model", "bench-110m", "--out", out]]
     for cmd in cmds:
         if not os.path.exists(cmd[0]):

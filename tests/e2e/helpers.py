@@ -185,7 +185,7 @@ def wait_metric(server, pred, timeout: float = 30.0, interval: float = 0.05) -> 
 
 
 def start_serve(args: list[str], *, timeout: float = 180, env: dict | None = None):
-    """``python -m backend.cli serve ARGS`` from the project root, its output collected line by line;
+    """``python -m triton_llm.cli serve ARGS`` from the project root, its output collected line by line;
     returns (process, lines) once it printed "Ctrl-C to stop" (fails the test with the output if
     it exits or takes longer than ``timeout``). The caller stops it."""
     import os
@@ -197,7 +197,7 @@ def start_serve(args: list[str], *, timeout: float = 180, env: dict | None = Non
 
     from tests.conftest import ROOT
 
-    proc = subprocess.Popen([sys.executable, "-m", "backend.cli", "serve", *args], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "triton_llm.cli", "serve", *args], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, **(env or {})})
     lines: list[str] = []

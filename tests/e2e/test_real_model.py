@@ -103,8 +103,8 @@ def test_the_capital_of_france_is_paris(sdk):
 
 def test_context_window_is_the_config_clamped_to_the_kv_pool(sdk, real_model_dir):
     """The model's 8,192 tokens, clamped to what the test server's KV pool holds; and the serve
-    default budget (1 GiB, backend/cli.py) holds the whole 8,192 for SmolLM2 in fp32."""
-    from backend.cli import SERVE_KV_CACHE_MEMORY
+    default budget (1 GiB, triton_llm/cli.py) holds the whole 8,192 for SmolLM2 in fp32."""
+    from triton_llm.cli import SERVE_KV_CACHE_MEMORY
 
     card = sdk.models.retrieve(SERVED)
     assert card.model_extra["max_model_len"] == REAL_CONTEXT_WINDOW

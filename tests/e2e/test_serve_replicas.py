@@ -38,7 +38,7 @@ class Run:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "TRITON_LLM_"))}
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "backend.cli", "serve", "--model", str(model_dir("tiny")),
+                [sys.executable, "-m", "triton_llm.cli", "serve", "--model", str(model_dir("tiny")),
                  "--shim-port", str(self.port), *opts, *args], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                 env={**env, "TMPDIR": str(self.dir)}, start_new_session=True)
 

@@ -34,7 +34,7 @@ class Serve:
         self.shim = free_port() if shim else 0
         self.workdir = workdir
         self.grpc_url = f"127.0.0.1:{self.grpc}"
-        cmd = [sys.executable, "-m", "backend.cli", "serve", "--model", str(model or model_dir("tiny")),
+        cmd = [sys.executable, "-m", "triton_llm.cli", "serve", "--model", str(model or model_dir("tiny")),
                "--http-port", str(self.http), "--grpc-port", str(self.grpc), "--metrics-port", str(self.metrics),
                "--shim-port", str(self.shim), "--workdir", str(workdir),
                "--engine-option", "num_kv_blocks=256", "--engine-option", "num_threads=1"]

@@ -67,7 +67,7 @@ def test_a_wheel_with_another_hash_is_refused_and_removed(cache, tmp_path, monke
 
 
 def test_serve_gives_the_kv_pool_its_budget_unless_told_otherwise():
-    from backend.cli import SERVE_KV_CACHE_MEMORY, serve_engine_options
+    from triton_llm.cli import SERVE_KV_CACHE_MEMORY, serve_engine_options
 
     assert serve_engine_options(["dtype=bfloat16"]) == ["dtype=bfloat16", f"kv_cache_memory={SERVE_KV_CACHE_MEMORY}"]
     assert serve_engine_options(["num_kv_blocks=64"]) == ["num_kv_blocks=64"]

@@ -264,7 +264,7 @@ def test_promql_metric_name_extraction():
 def test_commands_match_the_real_command_lines(compose):
     """The shim's compose command and the entrypoint's `triton-llm serve` flags parse with the
     project's own argument parsers (so a renamed flag fails here, not in a container)."""
-    from backend.cli import build_parser as cli_parser
+    from triton_llm.cli import build_parser as cli_parser
     from client.shim.settings import build_parser as shim_parser
 
     shim = compose["services"]["shim"]

@@ -186,7 +186,7 @@ def test_unsupported_tensor_type_is_a_clear_error(tmp_path):
 
 
 def test_cli_reports_a_non_gguf_file(tmp_path, capsys):
-    from backend.cli import main
+    from triton_llm.cli import main
 
     bad = tmp_path / "x.gguf"
     bad.write_bytes(b"not a gguf at all")

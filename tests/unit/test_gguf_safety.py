@@ -196,7 +196,7 @@ def test_out_into_a_previous_import_replaces_only_its_files(tmp_path):
 
 
 def test_out_dot(micro, tmp_path, monkeypatch, capsys):
-    from backend.cli import main
+    from triton_llm.cli import main
 
     work = tmp_path / "work"
     work.mkdir()
@@ -217,7 +217,7 @@ def test_out_dot(micro, tmp_path, monkeypatch, capsys):
 # The CLI's own entry point, reporting the process's peak RSS (KiB) on stdout when it returns.
 _CLI = ("import resource, sys\n"
         "resource.setrlimit(resource.RLIMIT_DATA, (1 << 30, resource.getrlimit(resource.RLIMIT_DATA)[1]))\n"
-        "from backend.cli import main\n"
+        "from triton_llm.cli import main\n"
         "rc = main(sys.argv[1:])\n"
         "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
         "sys.exit(rc)\n")
@@ -243,7 +243,7 @@ def test_cli_prints_one_line_within_limits(micro, tmp_path):
 
 def test_serve_reports_a_bad_default_model_in_one_line(tmp_path, monkeypatch, capsys):
     from backend import default_model
-    from backend.cli import main
+    from triton_llm.cli import main
 
     cache = tmp_path / "cache"
     cache.mkdir()

@@ -242,7 +242,7 @@ def test_histogram_quantile_from_bucket_deltas():
 
 
 def test_a_checkpoint_gets_serves_kv_budget_and_presets_keep_theirs():
-    from backend.cli import SERVE_KV_CACHE_MEMORY
+    from triton_llm.cli import SERVE_KV_CACHE_MEMORY
     from load.stack import MODEL_OPTIONS, engine_options
 
     assert engine_options("models/default") == {"kv_cache_memory": SERVE_KV_CACHE_MEMORY}

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from backend.cli import build_parser
+from triton_llm.cli import build_parser
 from backend.config import EngineArgs
 from backend.lora.serve_args import lora_engine_options, parse_lora_args
 

@@ -102,7 +102,7 @@ def test_reap_ends_what_carries_the_clusters_token_path():
 ])
 def test_serve_replicas_refuses_before_ray_starts(args, env, says):
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "TRITON_LLM_"))}
-    r = subprocess.run([sys.executable, "-m", "backend.cli", "serve", "--model", "nowhere", "--replicas", "2",
+    r = subprocess.run([sys.executable, "-m", "triton_llm.cli", "serve", "--model", "nowhere", "--replicas", "2",
                         *args], cwd=ROOT, env={**clean, **env}, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and says in r.stderr, r.stderr
     assert "Ray" not in r.stdout                         # nothing started

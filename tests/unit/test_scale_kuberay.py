@@ -120,7 +120,7 @@ def test_ray_pods_run_as_non_root_with_a_read_only_root():
 
 
 def test_cli_replicas_flags_make_a_scale_config():
-    from backend.cli import build_parser
+    from triton_llm.cli import build_parser
     from triton_llm.scale.run import config_from_args
 
     args = build_parser().parse_args(["serve", "--model", "m", "--replicas", "2", "--max-replicas", "3",

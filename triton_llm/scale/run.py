@@ -150,7 +150,7 @@ def _teardown(running: bool, local: bool) -> None:
 
 
 def add_arguments(sv: argparse.ArgumentParser) -> None:
-    """``serve``'s scale-out flags (backend/cli.py adds them; only ``--replicas`` turns Ray on)."""
+    """``serve``'s scale-out flags (triton_llm/cli.py adds them; only ``--replicas`` turns Ray on)."""
     g = sv.add_argument_group("scale-out on Ray Serve (docs/scale_out.md)")
     g.add_argument("--replicas", type=int, default=None,
                    help="run N tritonserver replicas behind the shim on Ray Serve (needs ray[serve])")
