@@ -74,7 +74,7 @@ class EngineArgs:
             raise ValueError(f"role must be unified, prefill or decode (got {self.role!r})")
         if self.kv_connector not in ("shm", "tcp"):
             raise ValueError(f"kv_connector must be shm or tcp (got {self.kv_connector!r})")
-        from backend.disagg.secret import is_loopback
+        from common.net import is_loopback
         if (self.role == "prefill" and self.kv_connector == "tcp" and not self.kv_secret_file
                 and not is_loopback(self.kv_connector_host)):
             raise ValueError(f"kv_connector_host={self.kv_connector_host} is beyond loopback: give "

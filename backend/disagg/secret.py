@@ -3,7 +3,6 @@ role (never on a command line), and the loopback rule for running without one. N
 the Ray driver and replicas import it."""
 from __future__ import annotations
 
-import ipaddress
 import os
 import secrets
 import stat
@@ -46,11 +45,3 @@ def load_secret(path: str | os.PathLike) -> bytes:
         raise ValueError(f"kv_secret_file {path} holds {len(data)} bytes; at least {MIN_SECRET} are needed")
     return data
 
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False                  # a name, "", or "0.0.0.0"-like: treat as reachable from outside

@@ -32,7 +32,7 @@ import torch
 
 from backend.disagg.connector import TRANSFER_ID, KVConnector, TransferError, check_locator, owner_tag
 from backend.disagg.handover import parse_dtype
-from backend.disagg.secret import is_loopback
+from common.net import is_loopback
 from backend.disagg.wire import AuthError, client_handshake, server_handshake
 
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
 import pathlib
 from dataclasses import dataclass, field
 
@@ -12,6 +11,7 @@ from client.shim.limits import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES,
                                 DEFAULT_PROMPT_CHARS_PER_TOKEN)
 from client.shim.tenants import KeyPolicy, as_policy, default_tenant, parse_key_entry  # noqa: F401
 from common import env
+from common.net import is_loopback
 
 KEYS_ENV = "TRITON_LLM_API_KEYS"
 INSECURE_ENV = "TRITON_LLM_INSECURE_NO_API_KEYS"   # "1": --insecure-no-api-keys (compose sets it)
@@ -108,15 +108,6 @@ class MissingAPIKeys(ValueError):
     """No key configured where keys are needed: ``require_api_keys``, or a ``host`` beyond loopback
     (the shim refuses to start)."""
 
-
-def is_loopback(host: str) -> bool:
-    """Whether binding ``host`` keeps the port on this machine ("localhost", 127.0.0.0/8, ::1)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False                                # a name, "", "0.0.0.0": reachable from outside
 
 
 def load_keys(settings: ShimSettings) -> dict[str, KeyPolicy]:
