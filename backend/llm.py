@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from backend.config import EngineArgs
 from backend.detokenizer import decode_delta
@@ -48,21 +48,12 @@ class LLM:
         n_of = {rid: p.n for rid, p in zip(ids, params)}
         todo = list(zip(ids, prompt_ids, params))[::-1]
         bar = _progress(len(ids)) if use_tqdm else None
-        engine = self.engine
-        while todo or engine.has_unfinished():
-            while todo:
-                rid, toks, p = todo[-1]
-                try:
-                    engine.add_request(rid, toks, p, stream=False)
-                except EngineError as exc:
-                    if exc.kind is not ErrorKind.QUEUE_FULL:
-                        raise
-                    break
-                todo.pop()
-            for d in engine.step():
-                finals[d.request_id][d.index] = d
-                if bar is not None and d.finished and len(finals[d.request_id]) == n_of[d.request_id]:
-                    bar.update(1)
+
+        def delta(d: StepDelta) -> None:
+            finals[d.request_id][d.index] = d
+            if bar is not None and d.finished and len(finals[d.request_id]) == n_of[d.request_id]:
+                bar.update(1)
+        self._run(todo, lambda r: self.engine.add_request(r[0], r[1], r[2], stream=False), delta)
         if bar is not None:
             bar.close()
         return [self._output(rid, toks, p, finals[rid]) for rid, toks, p in zip(ids, prompt_ids, params)]
@@ -81,20 +72,26 @@ class LLM:
         engine = self.engine
         for rid, toks in todo:                   # all-or-nothing: validate before the first add
             validate_embed(engine.limits, engine.pooling_config, rid, toks, pooling)
+        self._run(todo, lambda r: engine.add_request(r[0], r[1], stream=False, pooling=pooling),
+                  lambda d: finals.__setitem__(d.request_id, d))
+        return [EmbeddingRequestOutput(rid, toks, EmbeddingOutput(finals[rid].embedding or []))
+                for rid, toks in zip(ids, prompt_ids)]
+
+    def _run(self, todo: list, add: Callable[[Any], None], on_delta: Callable[[StepDelta], None]) -> None:
+        """Add the requests of ``todo`` (last first) as the engine's queue takes them (a full queue:
+        step, then try again) and step until every request finished."""
+        engine = self.engine
         while todo or engine.has_unfinished():
             while todo:
-                rid, toks = todo[-1]
                 try:
-                    engine.add_request(rid, toks, stream=False, pooling=pooling)
+                    add(todo[-1])
                 except EngineError as exc:
                     if exc.kind is not ErrorKind.QUEUE_FULL:
                         raise
                     break
                 todo.pop()
             for d in engine.step():
-                finals[d.request_id] = d
-        return [EmbeddingRequestOutput(rid, toks, EmbeddingOutput(finals[rid].embedding or []))
-                for rid, toks in zip(ids, prompt_ids)]
+                on_delta(d)
 
     def _encode(self, prompt: Any) -> list[int]:
         if isinstance(prompt, str):
