@@ -237,7 +237,9 @@ def test_cli_prints_one_line_within_limits(micro, tmp_path):
         assert proc.returncode == 2, err
         assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
         assert err.startswith(f"import-gguf: {path}: "), err
-        assert int(proc.stdout.split()[-1]) * 1024 < 1 << 30                 # peak RSS
+        # Memory: RLIMIT_DATA caps the process's allocations at 1 GiB, so an import that wanted
+        # more would die of a MemoryError's traceback, which the checks above refuse. (Peak RSS is
+        # no measure: it counts the shared libraries' pages, 1.0-1.4 GB with torch mapped.)
     assert not (tmp_path / "out").exists()
 
 
