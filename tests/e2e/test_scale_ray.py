@@ -325,7 +325,7 @@ def _freeze_the_busiest(base: str, servers: dict, recs: list[dict]) -> tuple[str
     streams per replica once it is frozen: at least one of them is the frozen one's. A frozen
     server sends nothing more, so its streams stay open until it is killed or continued."""
     for _ in range(5):
-        _wait(lambda: len(_open_streams(recs)) >= 4, 60, "4 streams to be open", 0.05)
+        _wait(lambda: len(_open_streams(recs)) >= 4, 180, "4 streams to be open", 0.05)   # a loaded host: slow
         served = _stats(base)["served"]
         busiest = Counter(served.get(r["id"]) for r in _open_streams(recs))
         victim = max(servers, key=lambda rid: busiest[rid])
