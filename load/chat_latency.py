@@ -30,6 +30,7 @@ from pathlib import Path
 import httpx
 
 from load.stack import Stack
+from backend.serving.process_group import wait_http_ok
 
 BUILDER, PROBER = "sk-bench-builder", "sk-bench-prober"
 
@@ -139,16 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         shim = subprocess.Popen(cmd, start_new_session=True, env=env, cwd=cwd)
         url = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + 180
-            while True:
-                try:
-                    if httpx.get(url + "/health", timeout=5).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if shim.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("the shim did not start")
-                time.sleep(0.2)
+            if not wait_http_ok(url + "/health", shim, 180):
+                raise RuntimeError("the shim did not start")
             report = asyncio.run(_run(url, args))
         finally:
             terminate_group(shim, timeout=10)

@@ -37,6 +37,25 @@ def wait_port(host: str, port: int, proc: subprocess.Popen, timeout: float) -> b
     return False
 
 
+def wait_http_ok(url: str, proc: subprocess.Popen, timeout: float) -> bool:
+    """True once ``GET url`` answers 200; False if ``proc`` exits or ``timeout`` passes."""
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                if r.status == 200:
+                    return True
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.1)
+    return False
+
+
 def _die_with_parent() -> None:
     """Runs in the child before exec: SIGTERM it when the parent dies (best effort, Linux only)."""
     try:

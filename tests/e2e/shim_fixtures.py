@@ -20,6 +20,7 @@ import pytest
 
 from client.shim.background import free_port
 from load.counters import parse_prometheus
+from backend.serving.process_group import wait_http_ok
 
 KEY, OTHER_KEY = "sk-e2e-acme", "sk-e2e-globex"
 MODEL = "tiny"
@@ -48,17 +49,9 @@ def start_shim(triton_server, tmp_dir, *, extra_args=(), grpc_url=None) -> ShimP
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180               # imports take long on a loaded 2-core CI host
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            stop_shim(proc)
-            raise RuntimeError(f"shim did not start:\n{open(log_path, errors='replace').read()[-3000:]}")
-        time.sleep(0.1)
+    if not wait_http_ok(url + "/health", proc, 180):   # imports take long on a loaded 2-core CI host
+        stop_shim(proc)
+        raise RuntimeError(f"shim did not start:\n{open(log_path, errors='replace').read()[-3000:]}")
     return ShimProcess(url, proc, str(log_path), triton_server.metrics_url)
 
 

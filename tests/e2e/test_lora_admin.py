@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import httpx
 import openai
@@ -18,6 +17,7 @@ from client.shim.background import free_port
 from tests.conftest import model_dir
 from tests.e2e.shim_fixtures import stop_shim
 from tests.unit.lora_helpers import make_adapter
+from backend.serving.process_group import wait_http_ok
 
 pytestmark = pytest.mark.e2e
 
@@ -59,15 +59,7 @@ def shim_url(adapters, tmp_path_factory):
                                  "--lora-name", "a"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         url = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + 180
-            while True:
-                try:
-                    if httpx.get(url + "/health", timeout=5).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                assert proc.poll() is None and time.monotonic() < deadline, (tmp / "shim.log").read_text()[-3000:]
-                time.sleep(0.1)
+            assert wait_http_ok(url + "/health", proc, 180), (tmp / "shim.log").read_text()[-3000:]
             yield url
         finally:
             stop_shim(proc)
