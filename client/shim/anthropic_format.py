@@ -82,16 +82,11 @@ class MessagesTally(TurnTally):
         return dict(block)
 
     # -- blocks from parts (events kept for the stream) -----------------------------------------
-    def add(self, index: int, prompt_index: int, chunk) -> None:
-        super().add(index, prompt_index, chunk)
+    def _begin(self) -> None:
         if not self._started:                   # after the first chunk: its prompt_tokens are known
             self._started = True
             self._ev("message_start", message=self._message(final=False))
             self._ev("ping")
-        for kind, value in self._parts:
-            getattr(self, f"_on_{kind}")(value)
-        if chunk.finish_reason:
-            self._close()
 
     def _ev(self, kind: str, **fields) -> None:
         if not self.streaming:                  # a whole body: the items only, no events to encode

@@ -92,13 +92,6 @@ class ResponsesTally(TurnTally):
         return body
 
     # -- items, built from parts (events kept for the stream) ---------------------------------
-    def add(self, index: int, prompt_index: int, chunk) -> None:
-        super().add(index, prompt_index, chunk)
-        for kind, value in self._parts:
-            getattr(self, f"_on_{kind}")(value)
-        if chunk.finish_reason:
-            self._close()
-
     def _ev(self, kind: str, **fields) -> None:
         if not self.streaming:                  # a whole body: the items only, no events to encode
             return

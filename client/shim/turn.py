@@ -94,6 +94,17 @@ class TurnTally(Tally):
             rest = sum(len(v) if isinstance(v, str) else len(v.get("arguments", "")) + 1
                        for k, v in self._parts if k != "reasoning")
             self.reasoning_tokens += round((self.choices[0].completion_tokens - before) * thought / (thought + rest))
+        self._begin()
+        for kind, value in self._parts:             # the subclass's _on_reasoning / _on_text / _on_call / _on_args
+            getattr(self, f"_on_{kind}")(value)
+        if chunk.finish_reason:
+            self._close()
+
+    def _begin(self) -> None:
+        """Before each chunk's parts (an API's opening event goes here)."""
+
+    def _close(self) -> None:
+        raise NotImplementedError
 
     def chunk_events(self, index: int, prompt_index: int, chunk) -> list[str]:
         self.add(index, prompt_index, chunk)
