@@ -1,20 +1,17 @@
 """Disaggregated vs unified serving, side by side in one run, through real tritonservers (issue 21).
 
     .venv/bin/python -m bench.disagg_stack --preset bench-15m --seconds 24 --rounds 2 \
-        --burst-len 512 --burst-every 6 --layouts unified,isolate,split,stubs
+        --burst-len 512 --burst-every 6 --layouts unified,disagg
 
 Layouts, same two cores (``--layouts``, comma-separated, each run every round in that order):
   unified  one tritonserver, engine role=unified, torch num_threads=2, the process tree on cores A,B
-  isolate  (the default of serve --disagg) a prefill and a decode tritonserver, num_threads=1 each,
-           KV over shm, routed by client/disagg_client.py; the decode engine (the decode server's
-           Python stubs) ALONE on core B; both front ends, the prefill engine and this bench client
-           on core A, the prefill engine at SCHED_BATCH nice 19, the token path at nice -10 (when
-           root) (backend/serving/disagg_serve.py apply_layout)
-  idle     isolate with the prefill engine at SCHED_IDLE instead of SCHED_BATCH
-  split    isolate, but the decode front end and this bench client free on both cores
-  stubs    the same pair, each engine (stubs) on its core, front ends and client free
-  tree     the same pair, each server's whole process tree on its core
-The one pair serves every disaggregated layout: it is re-placed before each of its rounds.
+  disagg   serve --disagg's pair: a prefill and a decode tritonserver, num_threads=1 each, KV over
+           shm, routed by client/disagg_client.py; the decode engine (the decode server's Python
+           stubs) ALONE on core B; both front ends, the prefill engine and this bench client on
+           core A, the prefill engine at SCHED_BATCH nice 19, the token path at nice -10 (when
+           root) (backend/serving/disagg_layout.py apply_layout)
+A pair is re-placed before each of its rounds. (The rejected placements idle / split / stubs / tree
+reproduce at commit ``42f3c1c``.)
 Workload (the engine model over gRPC, token ids in/out, greedy): ``--streams`` steady decode streams
 of ``--stream-tokens`` tokens each (restarted as they finish, so that many are always decoding),
 plus every ``--burst-every`` s a burst of ``--burst`` prompts of ``--burst-len`` tokens (distinct:
@@ -30,7 +27,7 @@ issue 21's runs reproduce at commit ``9d8fea3``.)
 
 Engine options per layout: ``layout~key=value[~key=value]`` runs that layout on
 its own server(s) started with those engine options on top of the bench's, e.g.
-``--layouts isolate,isolate~kv_cache_dtype=fp16,unified,unified~kv_cache_dtype=fp16`` (``~env.NAME=VALUE``:
+``--layouts disagg,disagg~kv_cache_dtype=fp16,unified,unified~kv_cache_dtype=fp16`` (``~env.NAME=VALUE``:
 that environment variable for the layout's servers, e.g. ``unified~env.TRITON_LLM_HUGE_PAGES=0``; one more
 pair / unified server per distinct option set, all started up front).
 """
@@ -43,7 +40,7 @@ import random
 import statistics
 import time
 
-from backend.serving.disagg_layout import LAYOUTS, parse_cpus, pin_tree, sched_tree, tree_pids
+from backend.serving.disagg_layout import parse_cpus, pin_tree, sched_tree, tree_pids
 from backend.serving.disagg_serve import DisaggServers
 from backend.serving.process_group import scoped_environ
 from backend.serving.tritonserver import TritonServer
@@ -172,13 +169,13 @@ def main() -> None:
                     help="freeze (default): gc.freeze() this client's heap (torch, tritonclient...) once the "
                          "servers are up, so that its own full collections (100-250 ms measured) do not "
                          "show as ITL; default: Python's GC untouched")
-    ap.add_argument("--layouts", default="unified,isolate,split,stubs",
-                    help=f"comma-separated, from unified,{','.join(LAYOUTS)} (disagg_serve.apply_layout)")
+    ap.add_argument("--layouts", default="unified,disagg",
+                    help="comma-separated, from unified,disagg, each optionally ~key=value[~key=value]")
     a = ap.parse_args()
     layouts = a.layouts.split(",")
     for lay in layouts:
         lay = lay.split("~")[0]
-        if lay != "unified" and lay not in LAYOUTS:
+        if lay not in ("unified", "disagg"):
             ap.error(f"unknown layout {lay!r}")
     from tests.conftest import model_dir
 
@@ -187,7 +184,7 @@ def main() -> None:
     opts = {"num_kv_blocks": "1024", "block_size": "16", "max_num_seqs": "32", "max_num_batched_tokens": "512",
             "kv_connector": a.connector}
     def eng_opts(layout: str) -> tuple[str, tuple]:
-        """'isolate~k=v~k2=v2' -> ('isolate', (('k', 'v'), ('k2', 'v2')))"""
+        """'disagg~k=v~k2=v2' -> ('disagg', (('k', 'v'), ('k2', 'v2')))"""
         head = layout.split("~")
         return head[0], tuple(sorted(tuple(x.split("=", 1)) for x in head[1:]))
 
@@ -240,8 +237,8 @@ def main() -> None:
                     client = TritonLLMClient(unified.grpc_url)
                     procs = [unified.proc.pid]
                 else:
-                    base, pair = base_layout, pairs[extra]
-                    pair.place(base, others=(me,))
+                    pair = pairs[extra]
+                    pair.place(others=(me,))
                     client = DisaggLLMClient(pair.prefill.grpc_url, pair.decode.grpc_url)
                     procs = [s.proc.pid for s in pair.servers]
                 cpu0, me0 = tree_cpu(procs), os.times()

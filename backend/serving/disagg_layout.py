@@ -1,8 +1,8 @@
-"""Where the disaggregated pair's threads run (``triton-llm serve --disagg --disagg-cpus/--disagg-layout``):
+"""Where the disaggregated pair's threads run (``triton-llm serve --disagg --disagg-cpus``):
 ``pin_tree`` / ``sched_tree`` set the CPU affinity / scheduling policy and nice value of a process
 and every thread of it and of its children (tritonserver, its Python stubs and their torch
-threads); ``apply_layout`` places the pair on two CPU sets (default ``isolate``: the decode engine
-alone on its CPUs, docs/disaggregation.md "CPU layout").
+threads); ``apply_layout`` places the pair on two CPU sets: the decode engine alone on its CPUs
+(docs/disaggregation.md "CPU layout").
 """
 from __future__ import annotations
 
@@ -126,62 +126,40 @@ def pin_named(pid: int, names: tuple[str, ...], cpus: set[int]) -> int:
 
 
 # decode-stub threads that do no token-path work and whose work is GIL-free (memcpy, page faults,
-# munmap): on the prefill CPUs under isolate / idle / split, so that they never take the decode
-# engine's core (backend/disagg/placer.py KVPlacer: a hand-over's fetch + KV write)
+# munmap): on the prefill CPUs, so that they never take the decode engine's core
+# (backend/disagg/placer.py KVPlacer: a hand-over's fetch + KV write)
 OFF_DECODE_THREADS = ("kv-admit",)
 
-LAYOUTS = ("isolate", "idle", "split", "stubs", "tree")
-PREFILL_NICE = 19            # isolate / split: the prefill engine yields its core at once
-TOKEN_PATH_NICE = -10        # isolate / split: the decode server, the prefill front end and ``others``
+PREFILL_NICE = 19            # the prefill engine yields its core at once
+TOKEN_PATH_NICE = -10        # the decode server, the prefill front end and ``others``
 
 
-def apply_layout(pair, layout: str, cpus: tuple[set[int], set[int]],
-                 others: tuple[int, ...] = ()) -> None:
+def apply_layout(pair, cpus: tuple[set[int], set[int]], others: tuple[int, ...] = ()) -> None:
     """Place the pair's processes (``pair``: a DisaggServers) on ``cpus`` = (prefill cpus, decode
-    cpus); re-appliable (every
-    thread is first reset to both cpu sets, SCHED_OTHER, nice 0).
+    cpus); re-appliable (every thread is first reset to both cpu sets, SCHED_OTHER, nice 0).
 
-    isolate (default) the decode engine (the decode server's Python stubs) ALONE on the decode
-            cpus; everything else -- both tritonserver front ends, the prefill engine and
-            ``others`` (the shim, a bench client) -- on the prefill cpus, the prefill engine at
-            SCHED_BATCH / nice 19 so that the front ends, which carry every token to the client,
-            preempt it at once. The token path (decode server, prefill front end, ``others``) at
-            nice -10 where allowed (CAP_SYS_NICE), against other jobs on the host. Measured: the
-            lowest ITL p99 and p99/p50 (2.0-2.7 x), at ~1.4 x the median of ``stubs``. The decode
-            stub's hand-over copy thread (``OFF_DECODE_THREADS``) goes to the prefill cpus too
-            (isolate, idle, split).
-    idle    isolate with the prefill engine at SCHED_IDLE (any waking thread preempts it; it
-            runs only on otherwise idle time of its cpus, so other jobs on the host starve it)
-    split   isolate, but the decode front end and ``others`` free on all cpus (a response from
-            the decode engine is a synchronous hand-off to the front end, so it may run at once on
-            whichever core is free); measured: median between isolate and stubs, p99 erratic
-    stubs   each server's stubs (engine) on its cpus, tritonserver's front ends and ``others`` free
-    tree    each server's whole process tree on its cpus (front end included)
+    The decode engine (the decode server's Python stubs) runs ALONE on the decode cpus; everything
+    else -- both tritonserver front ends, the prefill engine and ``others`` (the shim, a bench
+    client) -- on the prefill cpus, the prefill engine at SCHED_BATCH / nice 19 so that the front
+    ends, which carry every token to the client, preempt it at once. The token path (decode server,
+    prefill front end, ``others``) at nice -10 where allowed (CAP_SYS_NICE), against other jobs on
+    the host. The decode stub's hand-over copy thread (``OFF_DECODE_THREADS``) goes to the prefill
+    cpus too. Of the placements measured this one had the lowest ITL p99 and p99/p50
+    (docs/disaggregation.md "CPU layout").
     """
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)} (got {layout!r})")
     pre, dec = cpus
     both = pre | dec
     roots = [s.proc.pid for s in pair.servers] + list(others)
     for pid in roots:
         pin_tree(pid, both)
         sched_tree(pid)
-    if layout == "stubs":
-        pin_tree(pair.prefill.proc.pid, pre, include_root=False)
-        pin_tree(pair.decode.proc.pid, dec, include_root=False)
-    elif layout == "tree":
-        pin_tree(pair.prefill.proc.pid, pre)
-        pin_tree(pair.decode.proc.pid, dec)
-    else:
-        pin_tree(pair.prefill.proc.pid, pre)
-        if layout in ("isolate", "idle"):
-            pin_tree(pair.decode.proc.pid, pre, descendants=False)   # decode front end
-            for pid in others:
-                pin_tree(pid, pre)
-        pin_tree(pair.decode.proc.pid, dec, include_root=False)       # decode engine
-        pin_named(pair.decode.proc.pid, OFF_DECODE_THREADS, pre)      # its hand-over KV copies
-        sched_tree(pair.decode.proc.pid, nice=TOKEN_PATH_NICE)
-        for pid in [pair.prefill.proc.pid, *others]:
-            sched_tree(pid, nice=TOKEN_PATH_NICE, descendants=pid != pair.prefill.proc.pid)
-        sched_tree(pair.prefill.proc.pid, nice=PREFILL_NICE, include_root=False,
-                   policy=os.SCHED_IDLE if layout == "idle" else os.SCHED_BATCH)
+    pin_tree(pair.prefill.proc.pid, pre)
+    pin_tree(pair.decode.proc.pid, pre, descendants=False)       # decode front end
+    for pid in others:
+        pin_tree(pid, pre)
+    pin_tree(pair.decode.proc.pid, dec, include_root=False)       # decode engine
+    pin_named(pair.decode.proc.pid, OFF_DECODE_THREADS, pre)      # its hand-over KV copies
+    sched_tree(pair.decode.proc.pid, nice=TOKEN_PATH_NICE)
+    for pid in [pair.prefill.proc.pid, *others]:
+        sched_tree(pid, nice=TOKEN_PATH_NICE, descendants=pid != pair.prefill.proc.pid)
+    sched_tree(pair.prefill.proc.pid, nice=PREFILL_NICE, include_root=False, policy=os.SCHED_BATCH)

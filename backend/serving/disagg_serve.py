@@ -9,8 +9,8 @@ between them with client/disagg_client.py (docs/disaggregation.md).
                     one is given, so the TCP connector is authenticated (docs/disaggregation.md)
 
 ``DisaggServers`` is the reusable part (tests and bench/disagg_stack.py start the pair with
-it); where its threads run is backend/serving/disagg_layout.py (``apply_layout``, default
-``isolate``: the decode engine alone on its CPUs, docs/disaggregation.md "CPU layout").
+it); where its threads run is backend/serving/disagg_layout.py (``apply_layout``: the decode
+engine alone on its CPUs, docs/disaggregation.md "CPU layout").
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import sys
 import tempfile
 import threading
 
-from backend.serving.disagg_layout import LAYOUTS, apply_layout, parse_cpus
+from backend.serving.disagg_layout import apply_layout, parse_cpus
 from backend.serving.tritonserver import ServerStartError, TritonServer
 
 
@@ -32,30 +32,24 @@ def add_arguments(sv: argparse.ArgumentParser) -> None:
                     help="prefill/decode disaggregation: one prefill and one decode tritonserver behind the shim")
     sv.add_argument("--disagg-cpus", default="auto", metavar="PREFILL:DECODE",
                     help="with --disagg: CPUs of each role, e.g. 0:1 or 0-1:2-3; 'auto' (default): this "
-                         "process's CPUs split in two halves; 'none': not pinned")
-    sv.add_argument("--disagg-layout", default="isolate", choices=LAYOUTS,
-                    help="with --disagg-cpus: isolate (default): the decode engine alone on the decode CPUs, "
-                         "front ends + shim + prefill engine (nice 19) on the prefill CPUs; split: the same "
-                         "but the decode front end and shim free; stubs: only the engines pinned; tree: each "
-                         "server's whole process tree pinned (docs/disaggregation.md)")
+                         "process's CPUs split in two halves; 'none': not pinned. The decode engine runs "
+                         "alone on the decode CPUs; the front ends, the shim and the prefill engine (nice 19) "
+                         "on the prefill CPUs (docs/disaggregation.md)")
 
 
 class DisaggServers:
     """A prefill and a decode TritonServer for one checkpoint, started side by side.
 
     ``engine_options`` apply to both (the role is added); ``cpus`` = (prefill cpus, decode cpus)
-    places the processes once both are ready by ``layout`` (``apply_layout``: ``isolate``, the
-    default, puts the decode engine alone on its cpus and everything else, the prefill engine at
-    low priority, on the prefill cpus; the others measured worse: docs/disaggregation.md).
+    places the processes once both are ready (``apply_layout``: the decode engine alone on its
+    cpus and everything else, the prefill engine at low priority, on the prefill cpus).
     ``others`` (pids, e.g. the shim) are placed with the front ends."""
 
     def __init__(self, model_dir, *, engine_options: dict | list | None = None,
                  cpus: tuple[set[int], set[int]] | None = None, workdir: str | os.PathLike | None = None,
-                 ports: tuple[dict, dict] | None = None, layout: str = "isolate", **server_kw) -> None:
+                 ports: tuple[dict, dict] | None = None, **server_kw) -> None:
         from backend.serving.repository import parse_engine_options
 
-        if layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {', '.join(LAYOUTS)} (got {layout!r})")
         opts = parse_engine_options(engine_options)
         self._secret_dir: str | None = None
         if not opts.get("kv_secret_file"):              # one secret per pair, by file (never argv);
@@ -73,7 +67,6 @@ class DisaggServers:
             self._drop_secret()
             raise
         self.cpus = cpus
-        self.layout = layout
 
     @property
     def servers(self) -> tuple[TritonServer, TritonServer]:
@@ -112,10 +105,10 @@ class DisaggServers:
         self.place()
         return self
 
-    def place(self, layout: str | None = None, others: tuple[int, ...] = ()) -> None:
+    def place(self, others: tuple[int, ...] = ()) -> None:
         """(Re)apply the cpu layout (no-op without ``cpus``); ``others``: more pids to place."""
         if self.cpus is not None:
-            apply_layout(self, layout or self.layout, self.cpus, others)
+            apply_layout(self, self.cpus, others)
 
     def alive(self) -> bool:
         return all(s.alive() for s in self.servers)
@@ -159,7 +152,7 @@ def serve_disagg(args: argparse.Namespace) -> int:
     shim, stop_grace = None, None
     try:
         pair = DisaggServers(args.model, engine_options=args.engine_option, cpus=parse_cpus(args.disagg_cpus),
-                             layout=getattr(args, "disagg_layout", "isolate"), workdir=workdir, ports=ports,
+                             workdir=workdir, ports=ports,
                              host=host, exit_timeout=EXIT_TIMEOUT)
     except ValueError as exc:
         print(f"[triton-llm] error: {exc}", file=sys.stderr)

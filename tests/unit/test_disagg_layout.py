@@ -1,4 +1,4 @@
-"""CPU layouts of the disaggregated pair (backend/serving/disagg_layout.py apply_layout), on real
+"""The CPU layout of the disaggregated pair (backend/serving/disagg_layout.py apply_layout), on real
 process trees standing in for the two tritonservers (a root process with one child = its stub)."""
 import os
 import subprocess
@@ -8,8 +8,7 @@ import types
 
 import pytest
 
-from backend.serving.disagg_layout import (LAYOUTS, _children, apply_layout, parse_cpus, sched_tree,
-                                          tree_tids)
+from backend.serving.disagg_layout import _children, apply_layout, parse_cpus, sched_tree, tree_tids
 
 pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
 
@@ -46,36 +45,19 @@ def _state(pid, *, root):
             for t in tids}
 
 
-def test_isolate_and_split_place_the_token_path_before_the_prefill_engine(pair):
+def test_the_decode_engine_runs_alone_and_the_prefill_engine_yields(pair):
     pair, other = pair
     cpus = ({0}, {1})
     pre, dec = pair.prefill.proc.pid, pair.decode.proc.pid
     root = os.geteuid() == 0            # a negative nice needs CAP_SYS_NICE (skipped without it)
     hi = -10 if root else 0
-    for layout in ("split", "isolate"):
-        apply_layout(pair, layout, cpus, others=(other,))
+    for _ in range(2):                  # re-placing gives the same state (each first resets all)
+        apply_layout(pair, cpus, others=(other,))
         assert _state(dec, root=False) == {(frozenset({1}), os.SCHED_OTHER, hi)}      # decode engine
-        fe = frozenset({0, 1}) if layout == "split" else frozenset({0})     # split: free
-        assert _state(dec, root=True) == {(fe, os.SCHED_OTHER, hi)}                   # its front end
+        assert _state(dec, root=True) == {(frozenset({0}), os.SCHED_OTHER, hi)}       # its front end
         assert _state(pre, root=True) == {(frozenset({0}), os.SCHED_OTHER, hi)}
-        assert _state(other, root=True) == {(fe, os.SCHED_OTHER, hi)}               # shim / bench client
+        assert _state(other, root=True) == {(frozenset({0}), os.SCHED_OTHER, hi)}     # shim / bench client
         assert _state(pre, root=False) == {(frozenset({0}), os.SCHED_BATCH, 19)}    # prefill engine yields
-    if not root:
-        return                          # cannot reset nice 19 -> 0 without CAP_SYS_NICE
-    apply_layout(pair, "idle", cpus, others=(other,))
-    assert _state(pre, root=False) == {(frozenset({0}), os.SCHED_IDLE, 19)}
-    assert _state(dec, root=True) == {(frozenset({0}), os.SCHED_OTHER, hi)}
-    # re-placing resets everything first (the bench alternates layouts on one pair)
-    apply_layout(pair, "stubs", cpus, others=(other,))
-    assert _state(pre, root=False) == {(frozenset({0}), os.SCHED_OTHER, 0)}
-    assert _state(dec, root=False) == {(frozenset({1}), os.SCHED_OTHER, 0)}
-    assert _state(dec, root=True) == {(frozenset({0, 1}), os.SCHED_OTHER, 0)}
-    assert _state(other, root=True) == {(frozenset({0, 1}), os.SCHED_OTHER, 0)}
-    apply_layout(pair, "tree", cpus)
-    assert _state(dec, root=True) == {(frozenset({1}), os.SCHED_OTHER, 0)}
-    with pytest.raises(ValueError, match="layout must be one of"):
-        apply_layout(pair, "nope", cpus)
-    assert LAYOUTS[0] == "isolate"
 
 
 def test_cpu_specs():
