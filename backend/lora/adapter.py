@@ -15,6 +15,7 @@ import math
 import pathlib
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -48,6 +49,7 @@ class LoRAAdapter:
     scale: float
     uid: str                      # name + content digest: the prefix-cache identity (kv_cache/hashing.py)
     layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = field(repr=False)
+    c_table: Any = field(default=None, repr=False, compare=False)   # the fused C step's copy (lora/fused.py)
 
 
 def _config(path: pathlib.Path, max_rank: int) -> tuple[int, float, set[str]]:
