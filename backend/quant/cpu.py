@@ -1,4 +1,5 @@
-"""CPU weight-only GEMMs: ``csrc/quant_cpu.c`` through ctypes, built by kernels/cpu.py's cache.
+"""CPU weight-only GEMMs: ``csrc/*.c`` (one library; files in ``csrc/quant_cpu.h``) through ctypes,
+built by kernels/cpu.py's cache.
 
 Why C and not torch's packed kernels: on this torch (2.13, AVX2 host) ``torch._weight_int8pack_mm``
 with fp32 activations runs ~10x slower than fp32 ``F.linear`` at M = 1 and 16, and
@@ -9,7 +10,7 @@ int8, per output channel (the ``quantization=int8`` default) or in GGUF Q8_0's g
 multiple of 32), with 1 row (decode at 1 stream: a 4-stream GEMV, ~1.6-2x the weight-only loop,
 which is arithmetic-bound at ~12 GB/s there) or at least ``A16_MIN_M`` rows:
 ``w8_gemm`` quantizes each activation row to int16 (one scale per row) and multiplies int8 x int16
-with vpmaddwd, exact int32 sums (csrc/quant_cpu.c, "int8 weights x int16 activations"): 1.2-1.3x
+with vpmaddwd, exact int32 sums (csrc/w8_a16.c): 1.2-1.3x
 the weight-only loops on SmolLM2 decode steps of 8-32 rows and 1.5-1.9x on prefill chunks, for
 an activation rounding of at most max|x[m]| / (2 Q) per element, Q = min(32767, (2^31 - 1) /
 (127 K)) (bound and measurements in docs/quantization.md); ``w8_set_a16_min_m(0)`` (tests, benchmarks)
@@ -35,7 +36,9 @@ import torch.nn.functional as F
 
 from common import env
 
-SOURCE = pathlib.Path(__file__).with_name("csrc") / "quant_cpu.c"
+CSRC = pathlib.Path(__file__).with_name("csrc")
+SOURCE = CSRC / "w8_gemm.c"                # + the rest of csrc/ in one library (csrc/quant_cpu.h)
+EXTRA = tuple(CSRC / f for f in ("w8_f32a.c", "w8_a16.c", "w8_gemv.c", "w4.c"))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 SMALL_M = 32
 A16_MIN_M = 5         # int8: int16 activations from this many rows on, and at 1 (and, per channel, 2) rows (csrc: w8_gemm)
@@ -48,7 +51,7 @@ def library():
         return None
     from kernels.cpu import _build, load_library
 
-    path = _build(SOURCE, FLAGS)
+    path = _build(SOURCE, FLAGS, EXTRA)
     if path is None:
         return None
     lib = load_library(path)       # owner / mode checked (kernels/cpu.py)

@@ -1,4 +1,4 @@
-"""The CPU quantized GEMMs (backend/quant/csrc/quant_cpu.c) against dequantize-then-matmul.
+"""The CPU quantized GEMMs (backend/quant/csrc/) against dequantize-then-matmul.
 
 Tolerance: 1e-5 of max |reference| for the weight-only loops (fp32 products; only the summation
 order differs from BLAS). int8 per channel at 1 row and from A16_MIN_M rows on (and groups of 32

@@ -1,0 +1,31 @@
+/* The int8 entry point (QuantLinear's CPU path and the fused decode step): which kernel runs. */
+#include "quant_cpu.h"
+
+#ifdef __AVX2__
+static int64_t a16_min_m = 5;        /* backend/quant/cpu.py sets it at load */
+void w8_set_a16_min_m(int64_t m) { a16_min_m = m; }   /* 0: never (weight-only loops for every M) */
+int64_t w8_a16_min_m(void) { return a16_min_m; }
+#else
+void w8_set_a16_min_m(int64_t m) { (void)m; }
+int64_t w8_a16_min_m(void) { return 0; }
+void w8_gemm_a16(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *w, const uint16_t *scales,
+                 int64_t G, const float *bias, int64_t N, float *y, int64_t ldy, int nthreads) {
+    w8_gemm_f32a(x, M, K, ldx, w, scales, G, bias, N, y, ldy, nthreads);
+}
+#endif
+
+/* The entry point (QuantLinear's CPU path and the fused decode step): int16 activations from
+ * a16_min_m rows on (AVX2 builds; tolerance in docs/quantization.md), else weight-only. */
+void w8_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *w, const uint16_t *scales,
+             int64_t G, const float *bias, int64_t N, float *y, int64_t ldy, int nthreads) {
+#ifdef __AVX2__
+    /* int16 activations (w8_gemm_a16 routes 1 row and, per channel, 2 rows to its GEMVs) for
+     * per-channel or Q8_0-grouped weights at 1-2 rows and from a16_min_m rows on */
+    const int rows_ok = M == 1 || (M == 2 && G >= K) || M >= a16_min_m;
+    if (a16_min_m > 0 && rows_ok && (G >= K || (G == 32 && K % 32 == 0 && K > 32))) {
+        w8_gemm_a16(x, M, K, ldx, w, scales, G, bias, N, y, ldy, nthreads);
+        return;
+    }
+#endif
+    w8_gemm_f32a(x, M, K, ldx, w, scales, G, bias, N, y, ldy, nthreads);
+}
