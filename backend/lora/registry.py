@@ -11,7 +11,7 @@ stream. Thread-safe: the serving side loads and unloads while the engine thread 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterable
 
 import torch
@@ -38,6 +38,8 @@ class LoRARegistry:
         self._lock = threading.Lock()
         self.loads = 0
         self.evictions = 0
+        self.loads_by_name: Counter[str] = Counter()       # per adapter, for the metrics (metrics.py)
+        self.evictions_by_name: Counter[str] = Counter()
 
     def names(self) -> list[str]:
         with self._lock:
@@ -68,7 +70,7 @@ class LoRARegistry:
             self._make_room(set(busy))
             self._known[name] = str(path)
             self._resident[name] = adapter
-            self.loads += 1
+            self._count_load(name)
         return adapter
 
     def unload(self, name: str) -> None:
@@ -96,7 +98,7 @@ class LoRARegistry:
             if name not in self._resident:
                 self._make_room(set(busy))
                 self._resident[name] = adapter
-                self.loads += 1
+                self._count_load(name)
             self._resident.move_to_end(name)
             return self._resident[name]
 
@@ -108,6 +110,16 @@ class LoRARegistry:
                                 "retry when a request on another adapter ends")
             del self._resident[idle]
             self.evictions += 1
+            self.evictions_by_name[idle] += 1
+
+    def _count_load(self, name: str) -> None:
+        self.loads += 1
+        self.loads_by_name[name] += 1
+
+    def counts(self) -> dict[str, tuple[int, int]]:
+        """name -> (loads, evictions) since the start, for every adapter ever loaded."""
+        with self._lock:
+            return {n: (self.loads_by_name[n], self.evictions_by_name[n]) for n in self.loads_by_name}
 
 
 def parse_lora_modules(value: str | dict | None) -> dict[str, str]:

@@ -129,8 +129,11 @@ def build_engine_service(model_dir: str, params: dict[str, str], *, metrics_fact
     loop = loop_cls(engine, fairness=fairness if fairness.active else None, max_open_per_tenant=max_open)
     metrics = None
     if metrics_factory is not None:
+        from backend.serving.lora_control import registry_of
+
+        registry = registry_of(loop)
         metrics = ServingMetrics(metrics_factory, stats=loop.stats, healthy=lambda: loop.healthy,
-                                 labels=labels)
+                                 labels=labels, adapters=None if registry is None else registry.counts)
         if args.role != "unified":
             from backend.serving.disagg_metrics import RoleMetrics
 

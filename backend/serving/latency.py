@@ -11,7 +11,7 @@ from typing import Any
 
 from backend.outputs import StepDelta
 from backend.serving.messages import RequestHandle
-from backend.serving.metrics import Finished, MetricEvent, Observe, Rejected
+from backend.serving.metrics import AdapterUse, Finished, MetricEvent, Observe, Rejected
 
 TTFT = "llm_time_to_first_token_seconds"
 ITL = "llm_inter_token_latency_seconds"
@@ -41,9 +41,13 @@ class LatencyRecorder:
             if prev is not None:            # per token: a merged delta carries several
                 self._add(Observe(ITL, (now - prev) / len(d.new_token_ids)))
             h.last_token[d.index] = now
-        if not h.queue_time_seen and (d.new_token_ids or d.completion_tokens):
+        first = not h.queue_time_seen and bool(d.new_token_ids or d.completion_tokens)
+        if first:
             h.queue_time_seen = True
             self._add(Observe(QUEUE, d.queue_time))
+        if h.lora is not None and (first or d.new_token_ids):
+            # per adapter: a request once, at its first scheduled step's delta, and the tokens sent
+            self._add(AdapterUse(h.lora, requests=int(first), tokens=len(d.new_token_ids)))
         return None if h.first_token is None else h.first_token - h.arrival
 
     def completed(self, h: RequestHandle, now: float) -> None:

@@ -61,6 +61,7 @@ class RequestHandle:
     cancel_every: float = 0.0               # is_cancelled() at most this often (response_thread.py)
     held: dict[int, "Held"] = field(default_factory=dict)   # choice -> its gathered, unsent delta
     pace: dict = field(default_factory=dict)  # choice -> its pace between deltas (hold_policy.Pace)
+    lora: str | None = None                 # its LoRA adapter's name, for the per-adapter metrics
 
 
 @dataclass(slots=True)

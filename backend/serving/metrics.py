@@ -89,7 +89,15 @@ class Rejected:
     kind: str
 
 
-MetricEvent = Observe | Finished | Rejected
+@dataclass(frozen=True, slots=True)
+class AdapterUse:
+    """A request on LoRA adapter ``lora`` was admitted (``requests``) or sent ``tokens`` generated tokens."""
+    lora: str
+    requests: int = 0
+    tokens: int = 0
+
+
+MetricEvent = Observe | Finished | Rejected | AdapterUse
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,8 +148,11 @@ class CountedHistogram:
 
 class ServingMetrics:
     def __init__(self, factory: Any, *, stats: Callable[[], Any], healthy: Callable[[], bool],
-                 labels: dict[str, str] | None = None, poll_interval: float = 0.1) -> None:
+                 labels: dict[str, str] | None = None, poll_interval: float = 0.1,
+                 adapters: Callable[[], dict[str, tuple[int, int]]] | None = None) -> None:
+        """``adapters``: the LoRA registry's per-adapter (loads, evictions) (LoRARegistry.counts), or None."""
         labels = dict(labels or {})
+        self._labels = labels
         self._factory = factory             # keeps pb_utils MetricFamily objects alive
         self._hist = {n: CountedHistogram(factory, n, doc, labels, buckets) if n in COUNTED_HISTOGRAMS
                       else factory.histogram(n, doc, labels, buckets) for n, (doc, buckets) in HISTOGRAMS.items()}
@@ -153,6 +164,9 @@ class ServingMetrics:
         self._rejected = {k: factory.counter(REJECTED, "Requests rejected at admission by error tag",
                                              {**labels, "reason": k}) for k in REJECT_KINDS}
         self._stats_fn = stats
+        self._adapters_fn = adapters
+        self._lora: dict[str, dict[str, Any]] = {}          # adapter -> its series, made at first use
+        self._last_lora: dict[str, tuple[int, int]] = {}
         self._healthy_fn = healthy
         self._last_counts = {n: 0.0 for n in STAT_COUNTERS}
         self._last_gauges: dict[str, float] = {}
@@ -212,18 +226,58 @@ class ServingMetrics:
     def _apply(self, events: list[MetricEvent]) -> None:
         finished: Counter = Counter()
         rejected: Counter = Counter()
+        adapter_requests: Counter = Counter()
+        adapter_tokens: Counter = Counter()
         for e in events:
             if isinstance(e, Observe):
                 self._hist[e.name].observe(max(0.0, float(e.seconds)))
             elif isinstance(e, Finished):
                 finished[e.reason] += 1
+            elif isinstance(e, AdapterUse):
+                adapter_requests[e.lora] += e.requests
+                adapter_tokens[e.lora] += e.tokens
             else:
                 rejected[e.kind if e.kind in self._rejected else "internal"] += 1
+        for name in adapter_requests:
+            series = self._adapter_series(name)
+            for key, n in (("requests", adapter_requests[name]), ("tokens", adapter_tokens[name])):
+                if n:
+                    series[key].increment(n)
         for reason, n in finished.items():  # one increment (one IPC round trip) per label and batch
             if reason in self._finished:
                 self._finished[reason].increment(n)
         for kind, n in rejected.items():
             self._rejected[kind].increment(n)
+
+    def _adapter_series(self, name: str) -> dict[str, Any]:
+        """The adapter's counters, labelled ``lora=<name>``; made when it is first used (adapters
+        are loaded at run time; the names are bounded by what the admins load)."""
+        series = self._lora.get(name)
+        if series is None:
+            lab = {**self._labels, "lora": name}
+            f = self._factory
+            series = self._lora[name] = {
+                "requests": f.counter("llm_lora_requests_total", "Requests on a LoRA adapter (counted at their first scheduled step)", lab),
+                "tokens": f.counter("llm_lora_generation_tokens_total",
+                                    "Generated tokens sent for requests on a LoRA adapter", lab),
+                "loads": f.counter("llm_lora_loads_total",
+                                   "LoRA adapter reads into the resident pool (at start, load route, after eviction)",
+                                   lab),
+                "evictions": f.counter("llm_lora_evictions_total",
+                                       "LoRA adapters evicted from the resident pool (max_loras)", lab)}
+        return series
+
+    def _poll_adapters(self) -> None:
+        for name, (loads, evictions) in self._adapters_fn().items():
+            last_loads, last_evictions = self._last_lora.get(name, (0, 0))
+            if (loads, evictions) == (last_loads, last_evictions):
+                continue
+            series = self._adapter_series(name)
+            if loads > last_loads:
+                series["loads"].increment(loads - last_loads)
+            if evictions > last_evictions:
+                series["evictions"].increment(evictions - last_evictions)
+            self._last_lora[name] = (loads, evictions)
 
     def _safe_poll(self, full: bool = True) -> None:
         try:
@@ -248,6 +302,8 @@ class ServingMetrics:
             return
         for h in self._counted:
             h.flush()
+        if self._adapters_fn is not None:
+            self._poll_adapters()
         for name, (_, read) in STAT_COUNTERS.items():
             value = float(read(s))
             diff = value - self._last_counts[name]
