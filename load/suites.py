@@ -7,10 +7,11 @@ under load/results/, plots written to docs/img/):
     python -m load.suites cancel       a storm of 64 cancelled streams (HTTP disconnects, gRPC aborts):
                                        KV usage over time, back to idle, cancel-to-free times
     python -m load.suites locust       both Locust users, headless, against the full stack
-    python -m load.suites peers        full stack vs llama.cpp's llama-server (load/peers.py), at
-                                       --streams (1 16) and --dtypes (float32); builds llama-server once
+    python -m load.suites peers        full stack vs llama.cpp's llama-server and vLLM's CPU backend
+                                       (load/peers.py), every dtype each has, at --streams (16 1);
+                                       install both once: python -m load.peers install
 
-Every suite takes --models (default bench-15m bench-110m) and --scale (fraction of the default
+Every suite takes --models (default bench-15m bench-110m; peers: models/default bench-110m) and --scale (fraction of the default
 request counts, for quick runs). Contenders of one table run in the same invocation, one after
 the other, with the same workload, seed and engine options.
 """
@@ -27,6 +28,7 @@ from load.backends import Backend, EngineBackend, GrpcBackend, ShimBackend
 from load.bench import bench_point as _bench_point
 from load.bench import warm_up
 from load.counters import bucket_quantile, histogram_buckets
+from load.peers import add_peer_arguments
 from load.stack import ROOT, Stack, engine_options, resolve_model
 from load.summary import json_safe
 from load.workloads import WorkloadSpec, make_workload
@@ -301,24 +303,17 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m load.suites", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("suite", choices=sorted(SUITES))
-    p.add_argument("--models", nargs="+", default=["bench-15m", "bench-110m"])
+    p.add_argument("--models", nargs="+", default=None,
+                   help="presets or checkpoint dirs (default bench-15m bench-110m; peers: models/default bench-110m)")
     p.add_argument("--scale", type=float, default=1.0, help="fraction of the default request counts")
     p.add_argument("--levels", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64], help="concurrency sweep")
     p.add_argument("--users", type=int, default=16, help="locust: concurrent users")
     p.add_argument("--seconds", type=int, default=60, help="locust: run time")
-    p.add_argument("--streams", type=int, nargs="+", default=[16, 1], help="peers: concurrent streams")
-    p.add_argument("--dtypes", nargs="+", default=["float32"],
-                   help="peers: float32, bfloat16, q8_0, q4_0 (quantized: load/peers.py)")
-    p.add_argument("--contenders", nargs="+", default=["llama.cpp", "ours"], choices=["llama.cpp", "ours"],
-                   help="peers: which servers run")
-    p.add_argument("--peer-threads", type=int, default=None, help="peers: llama.cpp -t (default: all cores)")
-    p.add_argument("--ours-quant", choices=["gguf", "option"], default="gguf",
-                   help="peers --dtypes q8_0/q4_0: ours serves the same quantized GGUF imported --keep-quantized "
-                        "(gguf), or quantization=int8/int4 of the float checkpoint (option)")
-    p.add_argument("--peer-cache-type", default=None,
-                   help="peers: llama.cpp -ctk/-ctv (default: its own, f16; 'same' = the weights' dtype)")
+    add_peer_arguments(p)
     p.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE")
     args = p.parse_args(argv)
+    if args.models is None:
+        args.models = ["models/default", "bench-110m"] if args.suite == "peers" else ["bench-15m", "bench-110m"]
     command = "python -m load.suites " + " ".join(sys.argv[1:] if argv is None else argv)
     t0 = time.perf_counter()
     table, data = asyncio.run(SUITES[args.suite](args))

@@ -11,7 +11,7 @@ import pytest
 from load.backends import DONE, completion_body, parse_completion_line
 from load.llamacpp import (QUANT_METHODS, QUANT_TYPES, cmake_build_cmd, cmake_configure_cmd, convert_cmd, quantize_cmd,
                            quantize_gguf, server_cmd, staged_config)
-from load.peers import OURS, PEER, peer_spec, peers_table, quant_weights
+from load.peers import peer_spec, quant_weights
 from load.workloads import make_workload
 
 
@@ -105,15 +105,3 @@ def test_peer_workload_lengths():
     assert 50 < statistics.mean(outs) < 80                       # exponential, mean 64
     assert [t.max_tokens for j in jobs for t in j.turns] == [t.max_tokens for j in make_workload(peer_spec(16, 1.0))
                                                               for t in j.turns]
-
-
-def test_peers_table_ratio():
-    def point(tok_s):
-        return {"summary": {"output_throughput": tok_s, "ttft_ms": {"p50": 10.0}, "itl_ms": {"p50": 2.0}}}
-    out = {"machine": {"cpu": "x"}, "bench-15m": {"float32": {PEER: {16: point(100.0), 1: point(50.0)},
-                                     OURS: {16: point(150.0), 1: point(40.0)}}}}
-    table = peers_table(out)
-    assert "| bench-15m | float32 | 16 | 100 | 150 | 1.50x |" in table
-    assert "| bench-15m | float32 | 1 | 50 | 40 | 0.80x |" in table
-    only_ours = peers_table({"m": {"float32": {OURS: {16: point(150.0)}}}})
-    assert "| m | float32 | 16 | – | 150 | – | – / 10 | – / 2.0 |" in only_ours
