@@ -1,4 +1,4 @@
-"""The CPU kernels of ``kernels/csrc/paged_cpu.c``: built once with the system C compiler, cached,
+"""The CPU kernels of ``kernels/csrc/paged_cpu.c`` (+ ``kv_half.c``): built once with the system C compiler, cached,
 called through ctypes; ``None`` from :func:`library` means "use the torch path".
 
 Why C through ctypes rather than a torch C++ extension: the file needs no torch headers, so it
@@ -17,9 +17,10 @@ is loaded only if it is ours and not group/other-writable (else rebuilt). No pre
 turns the kernels off.
 
 :func:`decode_library` is the second library: ``csrc/decode_cpu.c`` (a whole model step, decodes
-and short prefill chunks, in one call; used by backend/model/fused_decode.py) linked with
-``paged_cpu.c`` and ``bf16_avx2.c``, built with OpenMP (torch's own ``libgomp`` serves it at run
-time) or, if that fails, without.
+and prefill chunks, in one call; used by backend/model/fused_decode.py) built with the other
+:data:`DECODE_SOURCES` (its worker pool, fp32 / bf16 / AMX linears, the attention of ``paged_cpu.c``)
+into one library, with OpenMP (torch's own ``libgomp`` serves it at run time) or, if that fails,
+without. Symbols one source calls in another are hidden (``decode_cpu.h``'s ``INTERNAL``).
 """
 from __future__ import annotations
 
@@ -40,8 +41,11 @@ from common import env
 
 log = logging.getLogger("triton_llm.kernels")
 SOURCE = pathlib.Path(__file__).with_name("csrc") / "paged_cpu.c"
+PAGED_EXTRA = (SOURCE.with_name("kv_half.c"),)                # linked into the attention library
 DECODE_SOURCE = SOURCE.with_name("decode_cpu.c")
-DECODE_EXTRA = (SOURCE, SOURCE.with_name("bf16_avx2.c"))    # linked into the decode library
+DECODE_EXTRA = tuple(SOURCE.with_name(f) for f in (          # linked into the decode library
+    "step_pool.c", "linear_f32.c", "linear_bf16.c", "amx_bf16.c", "bf16_avx2.c", "paged_cpu.c", "kv_half.c"))
+DECODE_SOURCES = (DECODE_SOURCE, *DECODE_EXTRA)
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC"]
 DECODE_FLAGS = [["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"], FLAGS]   # first that builds
 _P = ctypes.c_void_p
@@ -112,9 +116,12 @@ def _disabled() -> bool:
 
 
 def _build(source: pathlib.Path = SOURCE, flags: list[str] = FLAGS,
-           extra: tuple[pathlib.Path, ...] = ()) -> pathlib.Path | None:
-    """Build ``source`` (+ ``extra`` sources into the same library) once into the cache (also used
-    by backend/quant/cpu.py); None on failure."""
+           extra: tuple[pathlib.Path, ...] | None = None) -> pathlib.Path | None:
+    """Build ``source`` (+ ``extra`` sources into the same library; None: :data:`PAGED_EXTRA` for
+    :data:`SOURCE`, none for another) once into the cache (also used by backend/quant/cpu.py);
+    None on failure."""
+    if extra is None:
+        extra = PAGED_EXTRA if source == SOURCE else ()
     cc = shutil.which(env.raw("CC") or "cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         return None
