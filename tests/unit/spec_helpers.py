@@ -1,6 +1,7 @@
 """Shared pieces of the speculative decoding tests: a tiny-vocabulary Markov "model" the engine can
 run (its next-token distribution depends only on the current token, so exact probabilities are
-known), a proposer that draws drafts from a known distribution, and a chi-square p-value."""
+known), a proposer that draws drafts from a known distribution, a chi-square p-value and Holm's step-down
+procedure over a family of them."""
 from __future__ import annotations
 
 import torch
@@ -86,3 +87,16 @@ def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
     stat = ((obs - exp) ** 2 / exp).sum()
     df = len(obs) - 1
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
+
+
+def holm_rejections(pvalues: dict, alpha: float) -> dict:
+    """Holm's step-down procedure: the hypotheses (keys of ``pvalues``) rejected with a family-wise
+    error rate of at most ``alpha``. Sorted ascending, the i-th smallest p (0-based) is rejected
+    while p <= alpha / (m - i); the first one kept stops it."""
+    m = len(pvalues)
+    out = {}
+    for i, (key, p) in enumerate(sorted(pvalues.items(), key=lambda kv: kv[1])):
+        if p > alpha / (m - i):
+            break
+        out[key] = p
+    return out
