@@ -74,7 +74,7 @@ class ServeClient:
         if self.keyer is None:
             return []
         return await asyncio.to_thread(self.keyer.chain, prompt=prompt, messages=messages,
-                                       tenant=params.get(self.tenant_param))
+                                       tenant=params.get(self.tenant_param), lora=params.get(P.LORA))
 
     def _opted_in(self, params: dict) -> bool:
         record = SERVED.get()
