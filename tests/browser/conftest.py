@@ -86,7 +86,8 @@ def _wait_http(url: str, proc: subprocess.Popen | None, log: pathlib.Path, timeo
     raise RuntimeError(f"the shim did not answer {url} in {timeout:.0f}s:\n{log.read_text()[-3000:]}")
 
 
-def _shim_stack(triton, model_dir: pathlib.Path, work: pathlib.Path, keys_file: pathlib.Path):
+def _shim_stack(triton, model_dir: pathlib.Path, work: pathlib.Path, keys_file: pathlib.Path,
+                extra_args: tuple[str, ...] = ()):
     """The real OpenAI shim (and chat page) in front of ``triton``, until the generator closes."""
     from backend.serving.launcher import free_port, terminate_group
 
@@ -95,7 +96,7 @@ def _shim_stack(triton, model_dir: pathlib.Path, work: pathlib.Path, keys_file: 
     cmd = [sys.executable, "-m", "client.shim", "--triton-grpc", triton.grpc_url,
            "--host", "127.0.0.1", "--port", str(port), "--model-dir", str(model_dir),
            "--api-keys", str(keys_file), "--chat-db", str(work / "chat.sqlite3"),
-           "--log-level", "warning"]
+           "--log-level", "warning", *extra_args]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)

@@ -66,7 +66,11 @@ def test_page_and_static_files(http):
     page = http.get("/")
     assert page.status_code == 200 and "text/html" in page.headers["content-type"]
     assert '<script type="module" src="/static/chat/app.js">' in page.text
-    for name in ("app.js", "api.js", "stream.js", "style.css"):
+    from client.chat import STATIC
+
+    names = {p.name for p in STATIC.iterdir()}
+    assert {"app.js", "api.js", "stream.js", "models.js", "style.css"} <= names
+    for name in sorted(names):
         assert http.get(f"/static/chat/{name}").status_code == 200
     assert "http://" not in page.text and "https://" not in page.text   # no CDN
 
