@@ -19,6 +19,8 @@ client/chat/quota.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import logging
 import pathlib
 
@@ -71,15 +73,18 @@ def mount_chat(app, settings=None) -> ChatStore:
         except TritonLLMError as exc:
             raise from_llm_error(exc) from None
 
-    lock, built = asyncio.Lock(), []
+    lock, built, counters = asyncio.Lock(), [], []
 
     async def builder() -> ContextBuilder:
-        async with lock:    # the tokenizer is loaded on first use, once
+        async with lock:    # without the app's startup (a bare ASGI call): loaded on first use, once
             if not built:
                 max_model_len = await window()
-                counter = await asyncio.to_thread(TokenCounter, str(model_dir) if model_dir else None)
-                built.append(ContextBuilder(store, counter, max_model_len, complete))
+                if not counters:
+                    counters.append(await asyncio.to_thread(TokenCounter, str(model_dir) if model_dir else None))
+                built.append(ContextBuilder(store, counters[0], max_model_len, complete))
         return built[0]
+
+    preload_at_startup(app, counters, model_dir)
 
     config = {"model": getattr(settings, "model_name", None), "default_policy": "truncate",
               "default_keep_turns": int(getattr(settings, "chat_keep_turns", None) or 8)}
@@ -93,3 +98,25 @@ def mount_chat(app, settings=None) -> ChatStore:
         return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
 
     return store
+
+
+def preload_at_startup(app, counters: list, model_dir) -> None:
+    """Load the token counter in the app's startup, before it serves, and freeze what the process
+    holds by then. Loaded on a tenant's first message instead, parsing tokenizer.json (tokenizers'
+    ``from_file``, ~0.1 s) held the GIL and stalled every other request on the shim's event loop for
+    as long; and the ~100k objects of the imports made each full GC pass tens of ms of stalled loop,
+    which ``gc.freeze`` takes out of every later pass (they live as long as the process)."""
+    inner = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(a):
+        try:
+            counters.append(await asyncio.to_thread(TokenCounter, str(model_dir) if model_dir else None))
+        except Exception as exc:                      # noqa: BLE001 -- the first chat message says it
+            log.warning("chat token counter not loaded at startup: %s", exc)
+        gc.collect()
+        gc.freeze()
+        async with inner(a) as state:
+            yield state
+
+    app.router.lifespan_context = lifespan

@@ -37,7 +37,10 @@ class TokenCounter:
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             return list(text.encode())[::3]
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        # The Rust tokenizer's own encode releases the GIL while it works; transformers' __call__
+        # (its batch path) held it ~12 ms per 100k characters, a stall of the shim's event loop
+        # for each long message counted. Same ids (tests/unit/test_chat_tokens.py).
+        return self.tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
 
     def tail(self, text: str, max_tokens: int) -> str:
         """The end of ``text`` that fits in ``max_tokens`` tokens."""
