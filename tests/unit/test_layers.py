@@ -164,7 +164,11 @@ def test_the_triton_adapters_do_not_edit_sys_path():
     assert edits == []
 
 
-def test_no_product_python_file_over_320_lines():
-    long = sorted((str(p.relative_to(ROOT)), n) for p in _product_files(".py")
+@pytest.mark.parametrize("suffix", [".py", ".c", ".h", ".js"])
+def test_no_product_source_file_over_320_lines(suffix):
+    """Files of one job: Python, the C kernels and the chat page's scripts alike."""
+    files = list(_product_files(suffix))
+    assert files, suffix      # the walk still finds this kind of file
+    long = sorted((str(p.relative_to(ROOT)), n) for p in files
                   if (n := len(p.read_text().splitlines())) > 320)
     assert long == []
