@@ -3,6 +3,10 @@ B (or on the base model) with the same prompt are different prefixes to the rout
 different to the engine; the same adapter keeps its affinity."""
 from __future__ import annotations
 
+import asyncio
+
+import pytest
+
 from triton_llm.scale.policy import PrefixAffinityPolicy
 from triton_llm.scale.prefix_key import PrefixKeyer, chain_of
 from tests.conftest import model_dir
@@ -43,3 +47,21 @@ def test_the_keyer_renders_once_and_keys_by_adapter():
     assert on_a != on_b and base not in (on_a, on_b) and not set(on_a) & set(on_b)
     assert keyer.chain(messages=messages, tenant="acme", lora="a") == on_a
     assert keyer.chain(messages=messages, tenant="acme", lora=None) == base
+
+
+def test_the_ingress_keys_requests_by_their_lora_parameter():
+    """ServeClient computes the route from the request parameters the shim set (``lora`` from the
+    OpenAI ``model`` field), so two adapters' requests carry different routes to the router."""
+    pytest.importorskip("ray")
+    from triton_llm.scale.serve_client import ServeClient
+
+    keyer = PrefixKeyer(model_dir("tiny"), block_size=4)
+    client = ServeClient(None, keyer=keyer)
+    prompt = "The same long prompt for two adapters: " * 4
+
+    def route(params):
+        return asyncio.run(client._route(prompt, None, params))
+    on_a, on_b, base = route({"lora": "a", "tenant": "acme"}), route({"lora": "b", "tenant": "acme"}), route({"tenant": "acme"})
+    assert on_a == keyer.chain(prompt=prompt, tenant="acme", lora="a") and len(on_a) > 2
+    assert on_b == keyer.chain(prompt=prompt, tenant="acme", lora="b") and not set(on_a) & set(on_b)
+    assert base == keyer.chain(prompt=prompt, tenant="acme") and not set(base) & set(on_a)
