@@ -22,6 +22,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.param_codec import (  # noqa: F401 - re-exported: P.<NAME> everywhere
+    ABORT_REQUEST_ID, BOOL_PARAMS, CACHE_SALT, DIMENSIONS, EMBED, FLOAT_PARAMS, FREQUENCY_PENALTY,
+    GUIDED_CHOICE, GUIDED_GRAMMAR, GUIDED_JSON, GUIDED_REGEX, HANDOVER, IGNORE_EOS, INT_PARAMS, LIST_PARAMS,
+    LOGIT_BIAS, LOGPROBS_PARAM, LORA, LORA_ADMIN, MAX_COMPLETION_TOKENS, MAX_TENANT_CHARS, MAX_TOKENS,
+    MIN_P, MIN_TOKENS, N, NORMALIZE, PARALLEL_TOOL_CALLS, PRESENCE_PENALTY, RENAMED_PARAMS,
+    REPETITION_PENALTY, REQUEST_PRIORITY, REQUEST_TIMEOUT, RESERVED_PARAMS, RESPONSE_FORMAT,
+    SAMPLING_PARAMS, SEED, SKIP_SPECIAL_TOKENS, SPECULATIVE, STOP, STOP_TOKEN_IDS, STREAM,
+    STRUCTURED_PARAMS, TEMPERATURE, TENANT, TEST_FAULT, TOOL_CHOICE, TOOLS, TOP_K, TOP_LOGPROBS, TOP_P)
+
 # -- models --------------------------------------------------------------------------------------
 ENSEMBLE = "llm"
 PREPROCESSING = "preprocessing"
@@ -109,63 +118,15 @@ MODELS: dict[str, ModelIO] = {
     POSTPROCESSING: ModelIO(ENGINE_TOKEN_OUTPUTS, TEXT_OUTPUTS),
 }
 
-# -- request parameters --------------------------------------------------------------------------
-STREAM = "stream"
-N = "n"
-MAX_TOKENS = "max_tokens"
-MAX_COMPLETION_TOKENS = "max_completion_tokens"   # OpenAI's newer name for max_tokens
-MIN_TOKENS = "min_tokens"
-TEMPERATURE = "temperature"
-TOP_P = "top_p"
-TOP_K = "top_k"
-MIN_P = "min_p"
-SEED = "seed"
-PRESENCE_PENALTY = "presence_penalty"
-FREQUENCY_PENALTY = "frequency_penalty"
-REPETITION_PENALTY = "repetition_penalty"
-STOP = "stop"                       # JSON list of strings (or one string)
-STOP_TOKEN_IDS = "stop_token_ids"   # JSON list of ints
-IGNORE_EOS = "ignore_eos"
-SKIP_SPECIAL_TOKENS = "skip_special_tokens"
-SPECULATIVE = "speculative"         # false: this request never speculates (with speculative_config set)
-LOGPROBS_PARAM = "logprobs"         # bool (chat) or int (completions); same name as the tensor
-TOP_LOGPROBS = "top_logprobs"
-TENANT = "tenant"                   # salts the prefix cache: tenants never share cached blocks
-# Triton's front ends consume "priority" and "timeout" themselves (they never reach a model).
-REQUEST_PRIORITY = "request_priority"
-REQUEST_TIMEOUT = "request_timeout"
-ABORT_REQUEST_ID = "abort_request_id"   # a control request to the engine: stop that request
-                                        # (only a request of the same tenant)
-CACHE_SALT = "cache_salt"           # honoured only with the engine option allow_client_salt
-LORA = "lora"                       # a LoRA adapter's name (docs/lora.md); absent = the base model
-LORA_ADMIN = "lora_admin"           # a control request to the engine: JSON {"action": "load" | "unload",
-                                    # "lora_name", "lora_path"} (backend/serving/lora_control.py)
+# -- request parameters: names, types and codec in common/param_codec.py (imported above) ------
+
 # Prefill/decode disaggregation (docs/disaggregation.md): a prefill engine ends a request it hands
 # over with finish_reason FINISH_HANDOVER and no tokens; the record (backend/disagg/handover.py, JSON
 # text) rides under key HANDOVER in that final response's METRICS JSON, which every ensemble step
 # passes through unchanged (PASS_THROUGH). The front sends the continuation -- the same request plus
 # parameter HANDOVER = the record -- to a decode engine, which streams from the first token.
-HANDOVER = "handover"
 FINISH_HANDOVER = "handover"
-TEST_FAULT = "test_fault"           # tests only: engine option test_faults + TRITON_LLM_TEST_FAULTS=1
-MAX_TENANT_CHARS = 256
-# Structured outputs (backend/structured/spec.py): JSON values as JSON text.
-RESPONSE_FORMAT = "response_format"       # OpenAI: {"type": "json_object" | "json_schema", ...}
-GUIDED_JSON = "guided_json"               # vLLM's names, for direct Triton clients
-GUIDED_REGEX = "guided_regex"
-GUIDED_CHOICE = "guided_choice"
-GUIDED_GRAMMAR = "guided_grammar"
-TOOLS = "tools"                           # OpenAI tools (also rendered by the chat template)
-TOOL_CHOICE = "tool_choice"               # "none" | "auto" | "required" | {"type": "function", ...}
-PARALLEL_TOOL_CALLS = "parallel_tool_calls"
-LOGIT_BIAS = "logit_bias"                 # {"token id": bias in [-100, 100]}
-# Embedding requests (engine model, token ids in; docs/openai_api.md): parameter EMBED = true makes
-# the request an embedding one, answered by one final response whose EMBEDDING output is the vector.
-EMBED = "embed"
-DIMENSIONS = "dimensions"                 # Matryoshka models only (backend/model/pooling.py)
-NORMALIZE = "normalize"                   # L2-normalize (default: the model's, on unless its config says)
-STRUCTURED_PARAMS = (RESPONSE_FORMAT, GUIDED_JSON, GUIDED_REGEX, GUIDED_CHOICE, GUIDED_GRAMMAR, TOOLS,
-                     TOOL_CHOICE, PARALLEL_TOOL_CALLS)
+
 # Model-level parameters (config.pbtxt ``parameters``), not per request.
 MODEL_DIR = "model_dir"
 CONTEXT_WINDOW = "context_window"   # preprocessing: the engine's context_window() (backend/context.py)
@@ -176,17 +137,3 @@ WEIGHTS_QUANTIZATION = "weights_quantization"   # none | int8 | int4 (a packed c
 WEIGHTS_GROUP_SIZE = "weights_group_size"       # int4's group; "" when none or per channel
 WEIGHT_BYTES = "weight_bytes"                   # parameters as resident in memory
 WEIGHTS_PARAMS = (WEIGHTS_DTYPE, WEIGHTS_QUANTIZATION, WEIGHTS_GROUP_SIZE, WEIGHT_BYTES)
-
-INT_PARAMS = (N, MAX_TOKENS, MIN_TOKENS, TOP_K, SEED, TOP_LOGPROBS, REQUEST_PRIORITY)
-FLOAT_PARAMS = (TEMPERATURE, TOP_P, MIN_P, PRESENCE_PENALTY, FREQUENCY_PENALTY, REPETITION_PENALTY,
-                REQUEST_TIMEOUT)
-BOOL_PARAMS = (STREAM, IGNORE_EOS, SKIP_SPECIAL_TOKENS, SPECULATIVE)
-LIST_PARAMS = (STOP, STOP_TOKEN_IDS)
-# SamplingParams fields set from request parameters of the same name (logprobs is derived).
-SAMPLING_PARAMS = (N, MAX_TOKENS, MIN_TOKENS, TEMPERATURE, TOP_P, TOP_K, MIN_P, SEED, PRESENCE_PENALTY,
-                   FREQUENCY_PENALTY, REPETITION_PENALTY, STOP, STOP_TOKEN_IDS, IGNORE_EOS,
-                   SKIP_SPECIAL_TOKENS, SPECULATIVE)
-# Names a client may use that Triton's gRPC front end would consume: sent under the right name.
-RENAMED_PARAMS = {"priority": REQUEST_PRIORITY, "timeout": REQUEST_TIMEOUT}
-# Reserved by Triton's gRPC front end (tritonclient refuses them or they never reach a model).
-RESERVED_PARAMS = ("sequence_id", "sequence_start", "sequence_end", "headers", "binary_data_output")

@@ -85,9 +85,15 @@ class SamplingParams:
             bad("stop_token_ids", "must be non-negative integers")
         if self.lora is not None and (not isinstance(self.lora, str) or not self.lora or len(self.lora) > 128):
             bad("lora", f"must be an adapter name (1 to 128 characters), got {self.lora!r}")
-        if self.structured is not None or self.logit_bias:
+        if self.constrained:
             from backend.structured.spec import check_structured
             self.logit_bias = check_structured(self.structured, self.logit_bias)
+
+    @property
+    def constrained(self) -> bool:
+        """The one check of whether structured-output work applies (a spec or a logit_bias):
+        requests without either never enter backend/structured."""
+        return self.structured is not None or bool(self.logit_bias)
 
     @property
     def greedy(self) -> bool:

@@ -1,23 +1,21 @@
 """The gRPC wire of the ``llm`` ensemble and the ``engine`` model, client side: request parameters
-out (:func:`to_parameters`), responses in (:func:`parse_response` -> :class:`Chunk`). The tensor
-and parameter names are backend/protocol.py's, which the server reads too.
+out (:func:`to_parameters`, written by common/param_codec.py, the codec the server reads them
+with), responses in (:func:`parse_response` -> :class:`Chunk`). The tensor names are
+backend/protocol.py's, which the server reads too.
 """
 from __future__ import annotations
 
 import json
 import logging
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from backend import protocol as P
 from client.errors import InvalidRequestError
+from common import param_codec
 
 log = logging.getLogger("triton_llm.client")
-
-INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
-
 
 @dataclass
 class Chunk:
@@ -40,26 +38,10 @@ class Chunk:
 def to_parameters(params: dict | None) -> dict:
     """Python values -> Triton request parameters (str/int/float/bool; lists and dicts as JSON).
     An integer outside int64 is an InvalidRequestError naming it."""
-    out: dict[str, Any] = {}
-    for key, value in (params or {}).items():
-        if value is None:
-            continue
-        key = P.RENAMED_PARAMS.get(key, key)
-        if key in P.RESERVED_PARAMS or key.startswith("triton_"):
-            raise ValueError(f"request parameter {key!r} is reserved by Triton's gRPC front end and "
-                             "would never reach the model")
-        if isinstance(value, (list, tuple, dict)):
-            value = json.dumps(value)
-        elif isinstance(value, np.generic):
-            value = value.item()
-        if not isinstance(value, (str, bool, int, float)):
-            raise ValueError(f"request parameter {key!r} has unsupported type {type(value).__name__}")
-        if isinstance(value, int) and not isinstance(value, bool) and not INT64_MIN <= value <= INT64_MAX:
-            # the gRPC message carries int64; past it protobuf raises a bare ValueError (a 500)
-            raise InvalidRequestError(f"{key} must fit in a signed 64-bit integer, got {value}",
-                                      param=key)
-        out[key] = value
-    return out
+    try:
+        return param_codec.encode(params)
+    except param_codec.ParamError as exc:
+        raise InvalidRequestError(str(exc), param=exc.param) from None
 
 
 def _scalar(result, name: str, default=None):

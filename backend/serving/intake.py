@@ -1,8 +1,9 @@
 """Intake: turn one request copied out of execute() into messages for the response thread.
 
-Runs on Triton's execute thread and never blocks on the engine or on a send: it validates the
-request parameters, registers the request (``Opened``) before handing it to the EngineLoop, and
-turns any failure into one ``Rejected`` message. A request with parameter ``abort_request_id`` and
+Runs on Triton's execute thread and never blocks on the engine or on a send: it reads the
+request parameters (the one place the server reads them: request_params.py), registers the
+request (``Opened``) before handing it to the EngineLoop, and turns any failure into one
+``Rejected`` message. A request with parameter ``abort_request_id`` and
 no ``input_ids`` is an explicit abort of that request, answered once the engine applied it.
 
 A structured-output request whose grammar is not compiled yet waits for it off this thread
@@ -23,7 +24,6 @@ from backend.outputs import StepDelta
 from backend.serving import lora_control
 from backend.serving.errors import as_engine_error
 from backend.serving.messages import ControlAnswered, DeltaArrived, Incoming, Opened, Rejected, RequestHandle
-from backend.serving.postprocess import skip_special_tokens
 from backend.serving.request_params import cache_salt, fit_context, parse_parameters, request_settings
 from backend.serving.response_thread import ResponseThread
 from backend.serving.tombstones import AbortTombstones
@@ -93,7 +93,7 @@ class Intake:
             extra["pooling"] = settings.pooling
         h.remaining, h.stream = (1 if settings.pooling is not None else settings.sampling.n), settings.stream
         h.want = inc.requested_outputs or None
-        h.skip_special_tokens = skip_special_tokens(params)
+        h.skip_special_tokens = settings.sampling.skip_special_tokens
         grammars = getattr(self.loop, "grammars", None)
         if grammars is not None and settings.sampling.structured is not None and not extra:
             compiled = grammars.prepare_async(settings.sampling)     # caps / bias errors raise here

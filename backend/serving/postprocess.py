@@ -12,15 +12,8 @@ from __future__ import annotations
 import json
 import pathlib
 
-from backend import protocol as P
 from backend.detokenizer import decode_delta
 from backend.serving.preprocess import load_tokenizer
-
-
-def skip_special_tokens(params: dict) -> bool:
-    """The request's skip_special_tokens (default True); preprocessing already rejected a bad value."""
-    value = params.get(P.SKIP_SPECIAL_TOKENS, True)
-    return value if isinstance(value, bool) else str(value).strip().lower() not in ("false", "0", "no")
 
 
 def _byte_decoder() -> dict[str, int]:

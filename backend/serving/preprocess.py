@@ -2,9 +2,11 @@
 
 Chat messages go through the checkpoint's own chat template with the generation prompt appended,
 exactly as ``AutoTokenizer.apply_chat_template(messages, add_generation_prompt=True)`` does, so the
-server and offline code see the same ids. Everything a client can get wrong is rejected here with
-an ``invalid_request`` EngineError naming the parameter, before the engine sees the request; the
-prompt is checked against the engine's own context window (backend/context.py).
+server and offline code see the same ids. A bad prompt is rejected here with an ``invalid_request``
+EngineError naming it, before the engine sees the request; the prompt is checked against the
+engine's own context window (backend/context.py). The request's other parameters pass through
+unread: the engine's intake reads them once (request_params.py). Preprocessing reads only the
+prompt's own: ``tools`` (shown to the model) and ``embed`` (an embedding fills the whole window).
 """
 from __future__ import annotations
 
@@ -14,8 +16,8 @@ import pathlib
 from backend import protocol as P
 from backend.context import context_window_for
 from backend.errors import invalid_request
-from backend.serving.request_params import RequestSettings, fit_context, request_settings
-from backend.structured.tool_prompt import keep_tool_fields, template_inputs, tools_from_params
+from backend.serving.request_params import fit_prompt, read
+from backend.structured.tool_prompt import KEPT_FIELDS, template_inputs, tools_from_params
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -46,7 +48,11 @@ def parse_messages(raw: str) -> list[dict]:
         role = m.get("role")
         if role not in ROLES:
             raise invalid_request(P.MESSAGES, f"messages[{i}].role must be one of {list(ROLES)}, got {role!r}")
-        out.append(keep_tool_fields(m, {"role": role, "content": _content_text(m.get("content"), i, role)}))
+        msg = {"role": role, "content": _content_text(m.get("content"), i, role)}
+        for k in KEPT_FIELDS:               # tool calls and results (backend/structured/tool_prompt.py)
+            if m.get(k) is not None:
+                msg[k] = m[k]
+        out.append(msg)
     return out
 
 
@@ -74,7 +80,9 @@ class Preprocessor:
         self.context_window = context_window or context_window_for(model_dir)
 
     def encode_messages(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        messages, extra = template_inputs(self.tokenizer, messages, tools)   # tools: backend/structured
+        extra: dict = {}
+        if tools or any(len(m) > 2 for m in messages):     # tools or tool fields: backend/structured
+            messages, extra = template_inputs(self.tokenizer, messages, tools)
         try:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                      return_dict=False, **extra)
@@ -91,9 +99,8 @@ class Preprocessor:
             return rust.encode(text).ids
         return [int(t) for t in self.tokenizer.encode(text)]
 
-    def __call__(self, text_input: str | None, messages: str | None, params: dict) -> tuple[list[int], RequestSettings]:
-        """Token ids for one request, and its validated settings; raises EngineError."""
-        settings = request_settings(params)
+    def __call__(self, text_input: str | None, messages: str | None, params: dict) -> list[int]:
+        """Token ids for one request's prompt; raises EngineError."""
         if (text_input is None) == (messages is None):
             raise invalid_request(P.TEXT_INPUT, "give exactly one of text_input (a prompt) or messages (chat JSON)")
         # Bounded before any work: a token is rarely longer than a few characters, so text past
@@ -112,5 +119,5 @@ class Preprocessor:
             if not text_input:
                 raise invalid_request(P.TEXT_INPUT, "the prompt is empty")
             ids, param = self.encode_prompt(text_input), P.TEXT_INPUT
-        fit_context(settings, len(ids), self.context_window, param)
-        return ids, settings
+        fit_prompt(len(ids), self.context_window, param, embedding=read(params, P.EMBED, False))
+        return ids

@@ -108,7 +108,10 @@ class Grammars:
         return out
 
     def prepare(self, params) -> Grammar | None:
-        """The blocking form of :meth:`prepare_async` (the offline API, tests)."""
+        """The blocking form of :meth:`prepare_async` (the offline API, tests); at once for a
+        request that asks for no constraint (SamplingParams.constrained)."""
+        if not getattr(params, "constrained", True):
+            return None
         if self.worker.on_worker_thread():          # a caller running on the worker itself
             spec = self.check(params)
             return None if spec is None else (self._ready(spec) or self._compile_now(spec))

@@ -22,14 +22,6 @@ from backend.structured.tool_spec import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, parse_
 KEPT_FIELDS = ("tool_calls", "tool_call_id", "name")
 
 
-def keep_tool_fields(raw: dict, message: dict) -> dict:
-    """Copy the tool-related fields of an OpenAI message onto its parsed {role, content}."""
-    for k in KEPT_FIELDS:
-        if raw.get(k) is not None:
-            message[k] = raw[k]
-    return message
-
-
 def tools_from_params(params: dict) -> list[dict] | None:
     """The request's tools to show the model (None: none given, or tool_choice "none")."""
     tools = params.get("tools")

@@ -19,6 +19,7 @@ import json
 import re
 
 from client.shim.errors import OpenAIError, invalid
+from common.param_codec import INT64_MAX, INT64_MIN  # noqa: F401 - schemas.py's bounds: the wire's
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_BODY_TIMEOUT_S = 30.0   # the whole body must arrive within this (408 otherwise)
@@ -33,7 +34,6 @@ MAX_STOP = 4                    # stop strings (OpenAI's limit)
 MAX_STOP_CHARS = 256            # characters of one stop string (the stop checker scans each one)
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20
-INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 INT32_MAX = 2 ** 31 - 1
 PRIORITY_MIN, PRIORITY_MAX = -(2 ** 31), INT32_MAX
 

@@ -1,4 +1,5 @@
-"""preprocessing over a real tritonserver: the checkpoint's chat template, and clear rejections."""
+"""preprocessing over a real tritonserver: the checkpoint's chat template, clear rejections of bad
+prompts, and the other parameters passed through to the engine unread."""
 from __future__ import annotations
 
 import json
@@ -8,6 +9,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 from transformers import AutoTokenizer
+
+from tests.e2e.helpers import generate
 
 pytestmark = pytest.mark.e2e
 
@@ -58,14 +61,6 @@ def test_plain_prompt_ids_match_tokenizer(triton_server):
     ({"messages": [{"role": "user", "content": 5}]}, "messages"),
     ({"messages": {"role": "user", "content": "hi"}}, "messages"),
     ({"text": "a " * 1500}, "text_input"),
-    ({"text": "hi", "max_tokens": 0}, "max_tokens"),
-    ({"text": "hi", "max_tokens": -3}, "max_tokens"),
-    ({"text": "hi", "max_tokens": 10**9}, "max_tokens"),
-    ({"text": "hi", "temperature": float("nan")}, "temperature"),
-    ({"text": "hi", "temperature": "nan"}, "temperature"),
-    ({"text": "hi", "top_p": 0}, "top_p"),
-    ({"text": "hi", "stop": "[1, 2]"}, "stop"),
-    ({"text": "hi", "n": 99}, "n"),
 ])
 def test_bad_requests_get_tagged_errors(triton_server, kwargs, param):
     with pytest.raises(InferenceServerException) as info:
@@ -73,6 +68,19 @@ def test_bad_requests_get_tagged_errors(triton_server, kwargs, param):
     assert f"[invalid_request param={param}]" in str(info.value)
     # ... and the next valid request is answered normally.
     assert preprocess(triton_server, text="hello")
+
+
+@pytest.mark.parametrize("params, param", [
+    ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": -3}, "max_tokens"), ({"max_tokens": 10**9}, "max_tokens"),
+    ({"temperature": float("nan")}, "temperature"), ({"temperature": "nan"}, "temperature"),
+    ({"top_p": 0}, "top_p"), ({"stop": "[1, 2]"}, "stop"), ({"n": 99}, "n"),
+])
+def test_generation_parameters_pass_through_to_the_engine(triton_server, params, param):
+    """Preprocessing reads only the prompt's parameters: the rest reach the engine unread, whose
+    intake (the one reader) refuses a bad one with the same tag through the ensemble."""
+    assert preprocess(triton_server, text="hi", **params)
+    res = generate(triton_server, "llm", text="hi", **params)
+    assert res.error is not None and f"[invalid_request param={param}]" in res.error, res
 
 
 def test_neither_or_both_inputs_rejected(triton_server):

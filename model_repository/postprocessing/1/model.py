@@ -5,8 +5,8 @@ import triton_python_backend_utils as pb_utils
 
 from backend import protocol as P
 from backend.serving.errors import as_engine_error, to_wire, triton_code
-from backend.serving.postprocess import Postprocessor, skip_special_tokens
-from backend.serving.request_params import parse_parameters
+from backend.serving.postprocess import Postprocessor
+from backend.serving.request_params import parse_parameters, read
 from backend.serving.stub_exit import exit_stub
 from backend.serving.tensors import config_parameters, one_string, require_model_dir, string_array
 
@@ -31,7 +31,8 @@ class TritonPythonModel:
                 finish = one_string(_np(request, P.FINISH_REASON), P.FINISH_REASON) or ""
                 text = self.post.text([int(t) for t in _np(request, P.WINDOW_IDS).reshape(-1)],
                                       _int(request, P.NUM_SENT), _int(request, P.MAX_CHARS), finish,
-                                      skip_special_tokens=skip_special_tokens(parse_parameters(request.parameters())))
+                                      skip_special_tokens=read(parse_parameters(request.parameters()),
+                                                               P.SKIP_SPECIAL_TOKENS, True))
                 logprobs = self.post.logprobs(one_string(_np(request, P.LOGPROBS), P.LOGPROBS) or "")
                 outputs = [pb_utils.Tensor(P.TEXT_OUTPUT, string_array(text)),
                            pb_utils.Tensor(P.FINISH_REASON, string_array(finish)),

@@ -36,7 +36,7 @@ class TritonPythonModel:
             try:
                 text = one_string(_input(request, P.TEXT_INPUT), P.TEXT_INPUT)
                 messages = one_string(_input(request, P.MESSAGES), P.MESSAGES)
-                ids, _ = self.pre(text, messages, parse_parameters(request.parameters()))
+                ids = self.pre(text, messages, parse_parameters(request.parameters()))
                 responses.append(pb_utils.InferenceResponse([pb_utils.Tensor(P.INPUT_IDS, int_array(ids))]))
                 if timing.hook is not None:
                     timing.mark(request.request_id(), "pre.done")
