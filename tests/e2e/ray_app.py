@@ -16,8 +16,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @contextlib.contextmanager
-def serve_app(cfg, name: str, *, num_cpus: int = 4, start_timeout: float = 300):
-    """Yields the app's base URL once Serve reports it RUNNING."""
+def serve_app(cfg, name: str, *, num_cpus: int = 4, start_timeout: float = 300, env: dict | None = None):
+    """Yields the app's base URL once Serve reports it RUNNING; ``env``: more environment for the
+    cluster's workers (the replicas and the tritonservers they start)."""
     import ray
     from ray import serve
 
@@ -25,8 +26,11 @@ def serve_app(cfg, name: str, *, num_cpus: int = 4, start_timeout: float = 300):
 
     port = free_port()
     started = time.time() - 1
+    # worker_niceness 0: Ray starts its workers 15 nice levels below the driver by default, which
+    # put the replicas and their tritonservers at a nice -n 19 CPU burner's level (CI runs one).
     ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level="ERROR",
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), **(env or {})}},
+             _system_config={"worker_niceness": 0})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(cfg), name=name, route_prefix="/", blocking=False)
@@ -53,7 +57,7 @@ def serve_app(cfg, name: str, *, num_cpus: int = 4, start_timeout: float = 300):
 
 def replica_tritonservers() -> list[dict]:
     """The live tritonservers of Ray replicas (triton_llm/scale/replica.py names a replica's workdir
-    ``tllm-replica-<id>-...``): [{"pid", "repo", "metrics_port"}]."""
+    ``tllm-replica-<id>-...``): [{"pid", "repo", "metrics_port", "grpc_port"}]."""
     import os
 
     out = []
@@ -68,5 +72,23 @@ def replica_tritonservers() -> list[dict]:
         if "tllm-replica-" not in repo:
             continue
         port = next(int(c.split("=")[1]) for c in cmd if c.startswith("--metrics-port="))
-        out.append({"pid": int(pid), "repo": repo, "metrics_port": port})
+        grpc = next(int(c.split("=")[1]) for c in cmd if c.startswith("--grpc-port="))
+        out.append({"pid": int(pid), "repo": repo, "metrics_port": port, "grpc_port": grpc})
     return out
+
+
+def received_unread(port: int) -> int:
+    """Bytes that arrived on the established TCP connections to local ``port`` and that their
+    owner has not read yet (the kernel's receive queues, /proc/net/tcp and tcp6): what a client
+    sent to a frozen (SIGSTOP) server since it stopped reading."""
+    total = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = pathlib.Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if int(f[1].rsplit(":", 1)[1], 16) == port and f[3] == "01":   # ESTABLISHED
+                total += int(f[4].split(":")[1], 16)                         # rx_queue
+    return total
