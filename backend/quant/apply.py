@@ -77,13 +77,14 @@ def quantize_model(model: nn.Module, method: str, group_size: int) -> None:
 
 
 def _head_method(model_dir, quantization: str, group_size: int, qc: dict | None) -> tuple[str, int | None]:
-    """(method, group) for quant_lm_head: the engine's quantization (int8: per channel, group None),
+    """(method, group) for quant_lm_head: the engine's quantization and group (int8 group None: per
+    channel, ``quant_group_size`` 0),
     else the checkpoint's method and group. A GGUF Q8_0 file's head (its tied token_embd, Q8_0 like
     every matrix of that file) is imported dequantized; re-quantized on its own groups of 32 it
     gives back the file's bytes (d = max|w| / 127 of a group that was q * d with max|q| = 127), so
     ours reads the same head llama.cpp reads."""
     if quantization != "none":
-        return quantization, None if quantization == "int8" else group_size
+        return quantization, None if quantization == "int8" and group_size == 0 else group_size
     if qc is not None:
         return method_of(qc), int(qc["group_size"])
     raise ValueError("quant_lm_head needs quantization=int8 or int4 (or a quantized checkpoint)")

@@ -6,23 +6,22 @@ with fp32 activations runs ~10x slower than fp32 ``F.linear`` at M = 1 and 16, a
 ``torch._weight_int4pack_mm_for_cpu`` is slower still in fp32 and only matches fp32 in bf16
 (numbers in docs/quantization.md, ``python -m load.bench_quant --kernels``).
 
-int8, per output channel (the ``quantization=int8`` default) or in GGUF Q8_0's groups of 32 (K a
-multiple of 32), with 1 row (decode at 1 stream: a 4-stream GEMV, ~1.6-2x the weight-only loop,
-which is arithmetic-bound at ~12 GB/s there) or at least ``A16_MIN_M`` rows:
-``w8_gemm`` quantizes each activation row to int16 (one scale per row) and multiplies int8 x int16
-with vpmaddwd, exact int32 sums (csrc/w8_a16.c): 1.2-1.3x
-the weight-only loops on SmolLM2 decode steps of 8-32 rows and 1.5-1.9x on prefill chunks, for
-an activation rounding of at most max|x[m]| / (2 Q) per element, Q = min(32767, (2^31 - 1) /
-(127 K)) (bound and measurements in docs/quantization.md); ``w8_set_a16_min_m(0)`` (tests, benchmarks)
-gives the weight-only numerics for every M. This covers the fused decode step too, which calls ``w8_gemm``.
+int8 (``w8_gemm``, also what the fused decode step calls) quantizes each activation row to int16
+(one scale per row, exact int32 products; activation rounding at most max|x[m]| / (2 Q) per
+element, Q = min(32767, (2^31 - 1) / (127 K)); bound and measurements in docs/quantization.md):
 
-2 rows per channel: the same GEMV on both rows (2.1-2.2x). 3-4 rows (and 2 in groups of 32),
-other int8 groups and int4: the weight-only C loops for
-M <= ``SMALL_M`` (bound by weight bytes). Above it the weight is dequantized into an fp32 scratch
-once and BLAS runs (compute-bound there; the N*K dequantization is small next to M*N*K
-multiply-adds) -- except per-channel int8, which keeps the int16 kernel for every M (it beat
-dequantize + MKL up to the 512-token prefill measured; with groups of 32 it did not).
-``None`` from :func:`library` (no compiler, ``TRITON_LLM_CPU_KERNELS=0``) means the torch path
+- groups of 32 (the default; K a multiple of 32) on AVX-512BW hosts: csrc/w8_avx512.c at every M
+  (1 row: a 4-stream GEMV). It beat dequantize + MKL and fp32 ``F.linear`` at every M measured
+  (1-256 rows, ``python -m bench.int8_crossover``), so there is no BLAS crossover on those hosts.
+- groups of 32 on AVX2 hosts: the 256-bit tiles of csrc/w8_a16.c at 1 row and from ``A16_MIN_M``
+  rows, the weight-only loops at 2-4 rows; above ``SMALL_M`` rows the torch path dequantizes and
+  runs BLAS (0.6-0.9x MKL there, measured on Zen 3).
+- per output channel (``quant_group_size=0``): the GEMVs at 1-2 rows, the weight-only loops at 3-4,
+  the int16 tiles from ``A16_MIN_M`` rows at every M.
+- other groups and int4: the weight-only C loops up to ``SMALL_M`` rows, dequantize + BLAS above.
+
+``w8_set_a16_min_m(0)`` (tests, benchmarks) gives the weight-only numerics (fp32 activations) at
+every M. ``None`` from :func:`library` (no compiler, ``TRITON_LLM_CPU_KERNELS=0``) means the torch path
 (dequantize + F.linear) for every call.
 """
 from __future__ import annotations
@@ -38,7 +37,7 @@ from common import env
 
 CSRC = pathlib.Path(__file__).with_name("csrc")
 SOURCE = CSRC / "w8_gemm.c"                # + the rest of csrc/ in one library (csrc/quant_cpu.h)
-EXTRA = tuple(CSRC / f for f in ("w8_f32a.c", "w8_a16.c", "w8_gemv.c", "w4.c"))
+EXTRA = tuple(CSRC / f for f in ("w8_f32a.c", "w8_a16.c", "w8_gemv.c", "w8_avx512.c", "w4.c"))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 SMALL_M = 32
 A16_MIN_M = 5         # int8: int16 activations from this many rows on, and at 1 (and, per channel, 2) rows (csrc: w8_gemm)
@@ -58,6 +57,9 @@ def library():
     for fn in (lib.w8_gemm, lib.w8_gemm_f32a, lib.w8_gemm_a16):
         fn.argtypes = [_P, _I, _I, _I, _P, _P, _I, _P, _I, _P, _I, _C]
         fn.restype = None
+    lib.w8_has_avx512.argtypes, lib.w8_has_avx512.restype = [], _C
+    if lib.w8_has_avx512():
+        lib.w8_gemm_g32_z.argtypes, lib.w8_gemm_g32_z.restype = [_P, _I, _I, _I, _P, _P, _P, _I, _P, _I, _C], None
     lib.w8_set_a16_min_m.argtypes, lib.w8_set_a16_min_m.restype = [_I], None
     lib.w8_a16_min_m.argtypes, lib.w8_a16_min_m.restype = [], _I
     lib.w8_set_a16_min_m(A16_MIN_M)
@@ -93,7 +95,9 @@ def gemm(x: torch.Tensor, method: str, qweight, scales, zeros, group_size: int, 
     activations), ``c`` (w8_gemm / w4_gemm, which pick by M); None: the routing below."""
     m, n = x.shape[0], qweight.shape[0]
     if kernel is None:
-        a16 = method == "int8" and group_size >= k and library().w8_a16_min_m() > 0
+        lib = library()
+        a16 = method == "int8" and lib.w8_a16_min_m() > 0 and (
+            group_size >= k or (group_size == 32 and k % 32 == 0 and lib.w8_has_avx512()))
         kernel = "c" if m <= SMALL_M or a16 else "blas"
     if kernel == "blas":
         return F.linear(x, dequantize(method, qweight, scales, zeros, group_size, k), bias)
@@ -102,6 +106,10 @@ def gemm(x: torch.Tensor, method: str, qweight, scales, zeros, group_size: int, 
     y = torch.empty(m, n, dtype=torch.float32)
     nt = torch.get_num_threads()
     if method == "int8":
+        if kernel == "z":           # groups of 32, 512-bit int16-activation tiles (AVX-512BW builds)
+            library().w8_gemm_g32_z(x.data_ptr(), m, k, x.stride(0), qweight.data_ptr(), scales.data_ptr(),
+                                    _ptr(bias), n, y.data_ptr(), n, nt)
+            return y
         fn = {"c": library().w8_gemm, "f32a": library().w8_gemm_f32a, "a16": library().w8_gemm_a16}[kernel]
         fn(x.data_ptr(), m, k, x.stride(0), qweight.data_ptr(), scales.data_ptr(), group_size, _ptr(bias), n,
            y.data_ptr(), n, nt)

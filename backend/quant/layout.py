@@ -5,8 +5,9 @@ Both layouts keep output rows first (``[N, ...]``), so the loader can fill a fus
 one output row) maps onto one of our rows.
 
     int8  qweight int8  [N, K]               W[n,k] = qweight[n,k] * scales[n, k // G]
-          scales  fp16  [N, ceil(K / G)]     G = K (one scale per output channel, the default)
-                                             or 32 (GGUF Q8_0 blocks, kept as they are)
+          scales  fp16  [N, ceil(K / G)]     G = 32 (llama.cpp Q8_0's blocks: the default, and
+                                             GGUF Q8_0 kept as it is) or K (one scale per
+                                             output channel: quant_group_size=0)
     int4  qweight uint8 [N, ceil(K/32)*16]   blocks of 32 values; byte j of a block holds value j
                                              (low nibble) and value j + 16 (high nibble): GGUF
                                              Q4_0/Q4_1's order, so their bytes are used as they are
@@ -54,6 +55,14 @@ def num_groups(k: int, group_size: int) -> int:
 def check_group_size(method: str, group_size: int) -> None:
     if method == "int4" and (group_size <= 0 or group_size % INT4_BLOCK):
         raise ValueError(f"quant_group_size for int4 must be a positive multiple of 32 (got {group_size})")
+    if method == "int8" and group_size < 0:
+        raise ValueError(f"quant_group_size for int8 must be 0 (per output channel) or positive (got {group_size})")
+
+
+def stored_group(method: str, group_size: int, k: int) -> int:
+    """The group G a [N, K] weight is stored with: ``quant_group_size`` 0 means one scale per output
+    channel for int8 (G = K)."""
+    return k if method == "int8" and group_size == 0 else group_size
 
 
 def _pad_groups(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,7 +118,8 @@ def quantize_int4(w: torch.Tensor, group_size: int = 32) -> QuantWeight:
 
 def quantize(w: torch.Tensor, method: str, group_size: int) -> QuantWeight:
     if method == "int8":
-        return quantize_int8(w)            # per output channel: what the int8 goal is measured on
+        check_group_size(method, group_size)
+        return quantize_int8(w, None if group_size == 0 else group_size)
     if method == "int4":
         return quantize_int4(w, group_size)
     raise ValueError(f"quantization must be one of {', '.join(METHODS)} (got {method!r})")

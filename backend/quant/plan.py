@@ -13,7 +13,7 @@ from backend.model.llama import LlamaForCausalLM
 from backend.model.loader import parse_dtype
 from backend.quant.apply import (_head_method, _linears, checkpoint_quant_config, method_of, module_dtypes,
                                  prepare_quantized, summary)
-from backend.quant.layout import METHODS, check_group_size
+from backend.quant.layout import METHODS, check_group_size, stored_group
 from backend.quant.linear import QuantLinear
 
 
@@ -37,8 +37,8 @@ def planned_summary(model_dir: str | pathlib.Path, *, dtype: torch.dtype, quanti
             check_group_size(quantization, group_size)
             for parent, attr, lin in _linears(model):
                 n, k = lin.weight.shape
-                g = k if quantization == "int8" else group_size     # int8: per output channel
-                setattr(parent, attr, QuantLinear(k, n, lin.bias is not None, quantization, g))
+                setattr(parent, attr, QuantLinear(k, n, lin.bias is not None, quantization,
+                                                  stored_group(quantization, group_size, k)))
         if lm_head:
             method, group = _head_method(model_dir, quantization, group_size, qc)
             vocab, hidden = model.lm_head_weight().shape

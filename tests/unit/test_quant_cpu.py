@@ -20,10 +20,15 @@ SHAPES = [(1, 37, 100), (2, 37, 100), (3, 19, 77), (5, 64, 200), (8, 21, 100), (
           (29, 33, 200), (300, 70, 200)]
 
 
+Z = bool(cpu.library() and cpu.library().w8_has_avx512())   # groups of 32: csrc/w8_avx512.c
+
+
 def takes_a16(m: int, k: int, group: int | None) -> bool:
-    """Where w8_gemm quantizes activations to int16: 1 row (the 4-stream GEMV) and A16_MIN_M+ rows,
-    per channel or in GGUF Q8_0's groups of 32 (K a multiple of 32); 2 rows per channel (the GEMV
-    on both rows)."""
+    """Where w8_gemm quantizes activations to int16: groups of 32 (K a multiple of 32) on AVX-512BW
+    hosts at every M; else 1 row (the 4-stream GEMV) and A16_MIN_M+ rows, per channel or in groups
+    of 32 (K > 32); 2 rows per channel (the GEMV on both rows)."""
+    if Z and group == 32 and k % 32 == 0:
+        return True
     return ((m == 1 or m >= cpu.A16_MIN_M) and (group is None or (group == 32 and k % 32 == 0 and k > 32))
             or (m == 2 and group is None))
 
@@ -92,13 +97,14 @@ def test_quant_linear_forward_on_cpu(dtype):
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 5, 16), (4, 9, 100), (8, 21, 100), (13, 40, 576), (64, 30, 1536),
-                                   (9, 7, 9000)])
+                                   (9, 7, 9000), (2, 9, 32), (3, 17, 96), (7, 6, 17024), (1, 5, 17024)])
 @pytest.mark.parametrize("group", [None, 32])
 def test_int16_activation_kernel_within_its_bound(m, n, k, group):
     """w8_gemm_a16 for every M (tiles 4 x 2 / 4 x 1 for groups of 32, all remainders; K = 9000: Q
     drops to 1878 so the int32 sums cannot overflow; K = 100 with groups: not a multiple of 32, the
     weight-only loops), rows scaled 1e-3..1e3 apart and one all-zero row; the weight-only loops on the
-    same input stay at fp32 accuracy."""
+    same input stay at fp32 accuracy. Groups of 32 on AVX-512BW hosts: the 512-bit kernel ``z`` too
+    (every M, 4 x 4 tiles and their remainders)."""
     torch.manual_seed(k + m)
     w, x, bias = torch.randn(n, k), torch.randn(m, k), torch.randn(n)
     x *= torch.logspace(-3, 3, m)[:, None]
@@ -106,9 +112,10 @@ def test_int16_activation_kernel_within_its_bound(m, n, k, group):
     qw = layout.quantize_int8(w, group)
     dq = layout.dequantize(qw)
     ref = torch.nn.functional.linear(x, dq, bias)
-    for kernel in ("a16", "f32a", "blas"):
+    z = ("z",) if Z and group == 32 and k % 32 == 0 else ()
+    for kernel in ("a16", "f32a", "blas", *z):
         y = cpu.gemm(x, "int8", qw.qweight, qw.scales, None, qw.group_size, k, bias, kernel=kernel)
-        if kernel == "a16":
+        if kernel in ("a16", "z"):
             assert ((y - ref).abs() <= a16_bound(x, dq, ref)).all()
             assert torch.equal(y[m // 2], bias)                  # a zero row: exactly the bias
         else:
@@ -120,12 +127,15 @@ GEMV_K = [(9, None), (16, None), (17, None), (77, None), (576, None), (1537, Non
 
 
 @pytest.mark.parametrize("n", [1, 3, 4, 7, 9, 64, 101])
-@pytest.mark.parametrize("m,k,group", [(1, k, g) for k, g in GEMV_K] + [(2, k, g) for k, g in GEMV_K if g is None])
+@pytest.mark.parametrize("m,k,group", [(1, k, g) for k, g in GEMV_K] + [(2, k, g) for k, g in GEMV_K if g is None]
+                         + ([(m, k, 32) for m in (2, 3, 4) for k in (64, 576, 9024)] if Z else []))
 def test_one_row_int16_gemv_against_float64(m, n, k, group):
     """w8_gemv_a16 (1 row; per channel 4 weight rows from the 4 quarters of N per pass, the N % 4
     rest one by one, K % 16 tails scalar; groups of 32 row by row in that order, ng % 4 tail groups)
     and w8_gemv2_a16 (2 rows, per channel; rows given with a stride, each row its own scale)
-    against dequantize-then-matmul in float64, within the int16 bound, with 1 and 2 threads giving
+    (on AVX-512BW hosts, groups of 32 at 1-4 rows: csrc/w8_avx512.c's GEMV and tiles, 4 weight
+    rows per pass, K up to 9024: scales beyond the stack buffer) against dequantize-then-matmul in
+    float64, within the int16 bound, with 1 and 2 threads giving
     the same bits; a zero row gives exactly the bias."""
     torch.manual_seed(n * 7 + k + m)
     w, bias = torch.randn(n, k), torch.randn(n)
@@ -158,6 +168,7 @@ def test_int8_routing_and_switch():
     k = 200
     qw, q32 = layout.quantize_int8(torch.randn(30, k)), layout.quantize_int8(torch.randn(30, k + 8), 32)
     q64 = layout.quantize_int8(torch.randn(30, k + 8), 64)
+    q6 = layout.quantize_int8(torch.randn(30, 192), 32)
     lib = cpu.library()
     assert lib.w8_a16_min_m() == cpu.A16_MIN_M
     for m in (1, 2, cpu.A16_MIN_M - 1, cpu.A16_MIN_M, 40):                    # 1 and 8+ rows: int16
@@ -169,6 +180,13 @@ def test_int8_routing_and_switch():
         assert torch.equal(run(qw, None), run(qw, want)) and torch.equal(run(qw, "c"), run(qw, want))
         want32 = "a16" if takes_a16(m, k + 8, 32) else "f32a"                # GGUF Q8_0 groups of 32 too,
         assert torch.equal(run(q32, "c"), run(q32, want32))                   # at the same M
+        x6 = torch.randn(m, 192)                                              # K = 192: 6 whole groups
+        want6 = ("z" if Z else "a16") if takes_a16(m, 192, 32) else "f32a"
+        assert torch.equal(cpu.gemm(x6, "int8", q6.qweight, q6.scales, None, 32, 192, None, kernel="c"),
+                           cpu.gemm(x6, "int8", q6.qweight, q6.scales, None, 32, 192, None, kernel=want6))
+        if m > cpu.SMALL_M and Z:                                             # torch path: "z" at every M
+            assert torch.equal(cpu.gemm(x6, "int8", q6.qweight, q6.scales, None, 32, 192, None),
+                               cpu.gemm(x6, "int8", q6.qweight, q6.scales, None, 32, 192, None, kernel="z"))
         assert torch.equal(run(q64, "c"), run(q64, "f32a"))                   # other groups: weight-only
         assert not torch.equal(run(qw, "a16"), run(qw, "f32a"))
         if m > cpu.SMALL_M:                                                   # torch path: groups dequantize + BLAS

@@ -5,8 +5,6 @@ what the client read. The real stack (tritonserver + shim + openai SDK) is tests
 """
 from __future__ import annotations
 
-from dataclasses import fields
-
 import pytest
 import torch
 from fastapi.testclient import TestClient
@@ -14,7 +12,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from backend import protocol as P
-from backend.config import EngineArgs
+from backend.config import EngineArgs, option_names
 from backend.model.config import load_model_config
 from backend.model.loader import auto_dtype, load_model, parse_dtype
 from backend.quant.plan import planned_summary
@@ -64,13 +62,14 @@ def test_engine_config_declares_the_weights_parameters_and_they_are_not_options(
     cfg = text_format.Parse((TEMPLATES / P.ENGINE / "config.pbtxt").read_text(), mc.ModelConfig())
     for key in P.WEIGHTS_PARAMS:
         assert key in cfg.parameters and cfg.parameters[key].string_value == "", key
-    assert not set(P.WEIGHTS_PARAMS) & {f.name for f in fields(EngineArgs)}
+    assert not set(P.WEIGHTS_PARAMS) & set(option_names())
     with pytest.raises(ValueError, match="unknown engine option"):
         parse_engine_options(["weight_bytes=1"])
 
 
 @pytest.mark.parametrize("opts,want", [
-    ({"quantization": "int8"}, ("float32", "int8", "")),
+    ({"quantization": "int8"}, ("float32", "int8", "32")),                  # groups of 32: the default
+    ({"quantization": "int8", "quant_group_size": "0"}, ("float32", "int8", "")),   # per channel: G = K varies
     ({"quantization": "int4", "quant_group_size": "64", "dtype": "bfloat16"}, ("bfloat16", "int4", "64")),
     ({"dtype": "auto"}, ("float32", "none", "")),          # auto resolved (fp32 on this AVX2 CPU)
 ])
@@ -81,7 +80,7 @@ def test_generate_repository_writes_what_the_engine_will_load(tmp_path, opts, wa
     params = declared_parameters((repo / P.ENGINE / "config.pbtxt").read_text())
     got = tuple(params[k] for k in (P.WEIGHTS_DTYPE, P.WEIGHTS_QUANTIZATION, P.WEIGHTS_GROUP_SIZE))
     assert got == want
-    args = EngineArgs.from_dict(opts)
+    args = EngineArgs.from_dict(opts).engine
     d = model_dir("tiny")
     loaded = load_model(d, load_model_config(d), dtype=parse_dtype(args.dtype, "cpu"), quantization=args.quantization,
                         quant_group_size=args.quant_group_size).quantization

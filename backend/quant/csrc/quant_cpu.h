@@ -7,7 +7,7 @@
  *   w8_f32a.c   int8 weight-only loops (fp32 activations): the reference numerics
  *   w8_a16.c    int8 x int16 activations, M >= a16_min_m (AVX2 vpmaddwd tiles)
  *   w8_gemv.c   int8 x int16 activations at 1 and 2 rows (decode at 1-2 streams)
- *   w8_vnni.c   int8 x int16 activations on AVX512-VNNI (vpdpwssd), groups of 32, many rows
+ *   w8_avx512.c int8 in groups of 32 x int16 activations, 512-bit (AVX-512BW hosts), any row count
  *   w4.c        int4 (weight-only loops, dequantize)
  *
  * Layouts (backend/quant/layout.py):
@@ -99,6 +99,11 @@ void w8_gemv_a16(const float *x, int64_t K, const int8_t *w, const uint16_t *sca
 void w8_gemv2_a16(const float *x, int64_t ldx, int64_t K, const int8_t *w, const uint16_t *scales,
                   const float *bias, int64_t N, float *y, int64_t ldy, int nthreads);   /* M = 2 */
 #endif
+int w8_has_avx512(void);     /* 1 where w8_avx512.c was built with AVX-512BW */
+void w8_gemm_g32_z(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *w, const uint16_t *scales,
+                   const float *bias, int64_t N, float *y, int64_t ldy, int nthreads);
+void w8_gemv_g32_z(const float *x, int64_t K, const int8_t *w, const uint16_t *scales, const float *bias,
+                   int64_t N, float *y, int nthreads);
 void w8_gemm_f32a(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *w, const uint16_t *scales,
                   int64_t G, const float *bias, int64_t N, float *y, int64_t ldy, int nthreads);
 void w8_gemm_a16(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *w, const uint16_t *scales,

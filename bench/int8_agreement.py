@@ -1,0 +1,106 @@
+"""Greedy agreement of quantized models with fp32 (issue 28): how long a quantized model's greedy
+continuation follows the fp32 one.
+
+    python -m bench.int8_agreement [--model models/default] [--methods int8 int8@0] [--prompts 12] [--tokens 48]
+
+For each prompt (the first 8 words of the first English lines of backend/assets/corpus.txt, as in
+``load.bench_quant quality``), fp32 and each method generate ``--tokens`` greedy tokens
+(``ignore_eos``, offline ``LLM.generate``, one prompt at a time unless ``--streams``); the score of
+a prompt is the share of tokens before the first divergence (common prefix / tokens), averaged over
+the prompts. Method specs are load.bench_quant's: ``int8`` (the default group of 32 inputs per
+scale, llama.cpp Q8_0's layout), ``int8@0`` (one scale per output channel), ``int4``, ``int8+head``
+(the LM head too), ``:bfloat16`` for another dtype; a trailing ``!f32a`` keeps activations in fp32
+(the C library's weight-only loops); ``dq:int8`` runs the fp32 engine on the dequantized int8
+weights (what quantizing in plain torch gives: the int8 contract without the int8 kernels). ``--min`` makes the exit status 1 when the
+first method scores below it (the issue's goal for the default int8: 0.65).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import time
+
+import torch
+
+from load.bench_quant import ROOT, parse_spec, prompts
+
+
+def prefix_share(ref: list[int], got: list[int]) -> float:
+    """Tokens before the first divergence, as a share of the reference's length."""
+    n = 0
+    while n < min(len(ref), len(got)) and ref[n] == got[n]:
+        n += 1
+    return n / max(1, len(ref))
+
+
+def generate(model: str, spec: str, texts: list[str], tokens: int, streams: int, threads: int | None):
+    from backend import LLM, SamplingParams
+
+    from backend.quant import cpu
+
+    dq = spec.startswith("dq:")             # fp32 engine on dequantized weights: the plain-torch numbers
+    opts = parse_spec(spec.removeprefix("dq:"))
+    if threads:
+        opts["num_threads"] = threads
+    if dq:
+        method, group = opts.pop("quantization"), opts.pop("quant_group_size")
+    llm = LLM(model, **opts)
+    if dq:
+        from backend.quant import apply, layout
+
+        with torch.no_grad():                # in place: the fused step keeps the weights' addresses
+            for _, _, lin in apply._linears(llm.engine.runner.model):
+                lin.weight.copy_(layout.dequantize(layout.quantize(lin.weight, method, group)))
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    out: list[list[int]] = []
+    lib = cpu.library()
+    default = lib.w8_a16_min_m() if lib is not None else 0
+    if lib is not None and spec.endswith("!f32a"):     # weight-only numerics: fp32 activations
+        lib.w8_set_a16_min_m(0)
+    t0 = time.perf_counter()
+    try:
+        for i in range(0, len(texts), streams):
+            out += [o.outputs[0].token_ids for o in llm.generate(texts[i:i + streams], params)]
+    finally:
+        if lib is not None:
+            lib.w8_set_a16_min_m(default)
+    return out, time.perf_counter() - t0
+
+
+def run(a) -> list[dict]:
+    texts = prompts(a.prompts)
+    ref, ref_s = generate(a.model, "none", texts, a.tokens, a.streams, a.threads)
+    rows = [{"method": "none (fp32)", "agreement": 1.0, "identical_prompts": len(texts), "seconds": ref_s}]
+    for spec in a.methods:
+        got, secs = generate(a.model, spec, texts, a.tokens, a.streams, a.threads)
+        shares = [prefix_share(r, g) for r, g in zip(ref, got)]
+        rows.append({"method": spec, "agreement": sum(shares) / len(shares),
+                     "identical_prompts": sum(s == 1.0 for s in shares), "seconds": secs,
+                     "per_prompt": [round(s, 3) for s in shares]})
+        print(rows[-1], flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=str(ROOT / "models" / "default"))
+    ap.add_argument("--methods", nargs="+", default=["int8", "int8@0"])
+    ap.add_argument("--prompts", type=int, default=12)
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--streams", type=int, default=1, help="prompts per generate call")
+    ap.add_argument("--threads", type=int, default=None, help="engine num_threads")
+    ap.add_argument("--min", type=float, default=None, help="exit 1 if the first method scores below this")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    rows = run(a)
+    print("| method | agreement (prefix share) | prompts identical to the end | seconds |\n|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['method']} | {r['agreement']:.3f} | {r['identical_prompts']} / {a.prompts} | {r['seconds']:.1f} |")
+    if a.json:
+        pathlib.Path(a.json).write_text(json.dumps(rows, indent=2) + "\n")
+    return 1 if a.min is not None and rows[1]["agreement"] < a.min else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
