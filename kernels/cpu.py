@@ -44,7 +44,7 @@ SOURCE = pathlib.Path(__file__).with_name("csrc") / "paged_cpu.c"
 PAGED_EXTRA = (SOURCE.with_name("kv_half.c"),)                # linked into the attention library
 DECODE_SOURCE = SOURCE.with_name("decode_cpu.c")
 DECODE_EXTRA = tuple(SOURCE.with_name(f) for f in (          # linked into the decode library
-    "step_pool.c", "linear_f32.c", "linear_bf16.c", "amx_bf16.c", "bf16_avx2.c", "paged_cpu.c", "kv_half.c"))
+    "step_pool.c", "linear_f32.c", "linear_bf16.c", "amx_bf16.c", "bf16_avx2.c", "paged_cpu.c", "kv_half.c", "lora_cpu.c"))
 DECODE_SOURCES = (DECODE_SOURCE, *DECODE_EXTRA)
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC"]
 DECODE_FLAGS = [["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"], FLAGS]   # first that builds

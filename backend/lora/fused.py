@@ -74,6 +74,24 @@ class CStep:
                             ngroups=len(tables), adapters=ctypes.cast(self._adapters, _P),
                             offsets=self._offsets.data_ptr(), rows=self._rows.data_ptr())
 
+    @classmethod
+    def for_model(cls, lora: LoRABatch, cfg) -> CStep:
+        """``cfg``: the base model's ModelConfig."""
+        return cls(lora, hidden=cfg.hidden_size, q_size=cfg.num_heads * cfg.head_dim,
+                   kv_size=cfg.num_kv_heads * cfg.head_dim, inter=cfg.intermediate_size, num_layers=cfg.num_layers)
+
     @property
     def address(self) -> int:
         return ctypes.addressof(self.struct)
+
+
+def rows_done() -> int:
+    """Adapter rows x projections the fused C step has updated in this process (0 without the
+    library): how tests and the benchmark see that adapter rows ran in C, not on the torch path."""
+    from kernels.cpu import decode_library
+
+    lib = decode_library()
+    if lib is None:
+        return 0
+    lib.lora_rows_done.restype = ctypes.c_int64
+    return int(lib.lora_rows_done())

@@ -52,6 +52,8 @@ import pathlib
 
 import torch
 
+from backend.lora.batch import LoRABatch
+from backend.lora.fused import CStep
 from backend.model.llama import Linear, LlamaForCausalLM
 from common import env
 
@@ -77,7 +79,8 @@ class _Model(ctypes.Structure):
                 + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
                 + [(n, _P) for n in ("embed", "norm", "lm_head", "cos", "sin", *_LAYER_FIELDS, "sgemm",
                                      "qw", "head_q", "w8", "w4")]
-                + [("kv_dtype", _I), ("embed_dtype", _I), ("bf16_avx2", _I)])
+                + [("kv_dtype", _I), ("embed_dtype", _I), ("bf16_avx2", _I)]
+                + [("lora", _P)])     # this step's LoRA groups (backend/lora/fused.py) or NULL
 _KV_DTYPE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}   # KV_F32 / KV_F16 / KV_BF16
 
 
@@ -208,7 +211,7 @@ class FusedDecoder:
             sin=rot.sin.data_ptr(), sgemm=sgemm, kv_dtype=_KV_DTYPE[kv_caches[0][0].dtype],
             embed_dtype=_KV_DTYPE[model.model.embed_tokens.dtype], bf16_avx2=int(bf16_avx2), **arrays, **quant)
         self._tensors = {**per_layer, "norm": [norm]}   # the pointers above stay valid while these live
-        self._vocab = cfg.vocab_size
+        self._vocab, self._cfg = cfg.vocab_size, cfg
         self._scratch = torch.empty(0)
         self.max_tokens = max_tokens()
 
@@ -224,9 +227,9 @@ class FusedDecoder:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                 block_tables: torch.Tensor, seq_lens: torch.Tensor, logits_indices: torch.Tensor,
-                cu_seqlens_q: torch.Tensor | None = None) -> torch.Tensor:
+                cu_seqlens_q: torch.Tensor | None = None, lora: LoRABatch | None = None) -> torch.Tensor:
         """All CPU tensors as in BatchInput -> fp32 logits [num_logits, vocab]. ``cu_seqlens_q``
-        None: one token per sequence (row i = sequence i)."""
+        None: one token per sequence (row i = sequence i). ``lora``: adapter rows, their products added in C."""
         m, nseqs = input_ids.shape[0], seq_lens.shape[0]
         if cu_seqlens_q is None:
             if m != nseqs:
@@ -246,6 +249,8 @@ class FusedDecoder:
             if m <= KEEP_ROWS:          # a long prompt's scratch (~32 KB per token on SmolLM2) is not kept
                 self._scratch = scratch
         logits = torch.empty(rows.shape[0], self._vocab, dtype=torch.float32)
+        groups = None if lora is None else CStep.for_model(lora, self._cfg)   # alive through the call
+        self._struct.lora = None if groups is None else groups.address
         rc = self._lib.step_forward(ctypes.byref(self._struct), m, nseqs, ids.data_ptr(), pos.data_ptr(),
                                     slots.data_ptr(), cu.data_ptr(), ctx.data_ptr(), tables.data_ptr(),
                                     tables.shape[1], rows.shape[0], rows.data_ptr(), scratch.data_ptr(),

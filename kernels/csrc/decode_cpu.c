@@ -206,6 +206,7 @@ int step_forward(const Model *m, int64_t M, int64_t nseqs, const int64_t *ids, c
     if (nseqs < 1 || cu[0] != 0 || cu[nseqs] != M) return -2;
     for (int64_t s = 0; s < nseqs; s++)
         if (cu[s + 1] <= cu[s] || seq_lens[s] < cu[s + 1] - cu[s]) return -2;
+    if (m->lora && lora_check(m->lora, M)) return -2;
     float *h = scratch, *xn = h + M * H, *qkv = xn + M * H, *qb = qkv + M * qkvn, *att = qb + M * q;
     float *gu = att + M * q, *act = gu + 2 * M * I;
     uint16_t *xb = (uint16_t *)(((uintptr_t)(act + M * I) + 63) & ~(uintptr_t)63);   /* bf16 linear inputs */
@@ -244,19 +245,26 @@ int step_forward(const Model *m, int64_t M, int64_t nseqs, const int64_t *ids, c
     RowJob ja = rj;                 /* attention: one row per chunk */
     ja.C = M;
 #define QP(l, p) (m->qw ? m->qw + (l) * P_COUNT + (p) : NULL)
+    /* adapter rows (issue 31): after each projection, before anything reads its output */
+#define LORA(p, x, y) \
+    do { if (m->lora && lora_apply(m->lora, l, p, x, y, nt, par_for)) atomic_store(&ja.rc, -1); } while (0)
     for (int64_t l = 0; l < m->num_layers && atomic_load(&ja.rc) == 0; l++) {
         rj.l = ja.l = l;
         rj.ln = m->ln1[l];
         par_for(nr, row_c, norm_chunk, &rj, 0);
         linear_q(m, QP(l, P_QKV), xn, M, H, m->qkv_w[l], m->qkv_b[l], qkvn, qkv, 0, NULL, xb, nt);
+        LORA(P_QKV, xn, qkv);
         par_for(nr, row_c, rope_store_chunk, &rj, 0);
         par_for(na, M, attend_chunk, &ja, 1);
         linear_q(m, QP(l, P_O), att, M, q, m->o_w[l], m->o_b[l], H, h, 1, xn, xb, nt);
+        LORA(P_O, att, h);
         rj.ln = m->ln2[l];
         par_for(nr, row_c, norm_chunk, &rj, 0);
         linear_q(m, QP(l, P_GU), xn, M, H, m->gu_w[l], m->gu_b[l], 2 * I, gu, 0, NULL, xb, nt);
+        LORA(P_GU, xn, gu);
         par_for(nr, row_c, silu_chunk, &rj, 0);
         linear_q(m, QP(l, P_DOWN), act, M, I, m->down_w[l], m->down_b[l], H, h, 1, xn, xb, nt);
+        LORA(P_DOWN, act, h);
     }
     const int rc = atomic_load(&ja.rc);
     free(rows);
@@ -265,6 +273,7 @@ int step_forward(const Model *m, int64_t M, int64_t nseqs, const int64_t *ids, c
     if (rc != 0) return -1;
     for (int64_t j = 0; j < nlogits; j++) rmsnorm(h + logit_rows[j] * H, m->norm, H, m->eps, xn + j * H);
 #undef QP
+#undef LORA
     if (nlogits > 0)
         linear_q(m, m->head_q, xn, nlogits, H, m->lm_head, NULL, m->vocab, logits, 0, NULL, xb, nt);
     return 0;

@@ -63,6 +63,7 @@ typedef struct {
     int64_t kv_dtype;               /* KV cache element (kv_cache_dtype): KV_F32, KV_F16 or KV_BF16 */
     int64_t embed_dtype;            /* KV_F32 (fp32 rows) or KV_BF16 (bf16 rows: a bf16 model) */
     int64_t bf16_avx2;              /* 1: bf16 linears on the AVX2 kernels even where VDPBF16PS runs */
+    const void *lora;               /* NULL, or this step's LoRA groups (lora_cpu.c's LoraStep) */
 } Model;
 enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
 
@@ -146,4 +147,8 @@ INTERNAL void linear_rows_bf16(const uint16_t *x, int64_t M, int64_t K, const ui
 int amx_supported(void);
 INTERNAL int linear_amx(uint16_t *xb, int64_t M, int64_t K, const uint16_t *W, const float *bias,
                         int64_t N, float *y, int acc, int T);
+/* lora_cpu.c: the adapters' rows of one projection, added into its output (issue 31) */
+int lora_check(const void *step, int64_t M);
+int lora_apply(const void *step, int64_t layer, int64_t proj, const float *x, float *y, int nt,
+               void (*par)(int nt, int64_t n, chunk_fn fn, void *ctx, int dynamic));
 #endif

@@ -1,6 +1,7 @@
-"""Float adapters on a weight-only quantized base (int8 / int4): steps with adapter rows take the
-torch path and base-only steps the fused one, and neither changes the other's rows: base requests
-in a mixed batch answer as in a base-only batch, adapter requests as when they run alone."""
+"""Float adapters on a weight-only quantized base (int8 / int4), in the fused C step like base rows
+(the quant GEMMs, then kernels/csrc/lora_cpu.c on the adapter rows), and neither changes the other's
+rows: base requests in a mixed batch answer as in a base-only batch, adapter requests as when they
+run alone."""
 from __future__ import annotations
 
 import pytest
