@@ -1,7 +1,7 @@
 """``POST /v1/messages`` (Anthropic Messages) on the chat generation path, and its error shape.
 
 The body becomes a chat request (client/shim/anthropic_schema.py), generated like any chat
-completion (client/shim/chat_path.py) and answered in Anthropic's shape
+completion (client/shim/generation.py) and answered in Anthropic's shape
 (client/shim/anthropic_format.py). The key comes as ``x-api-key`` (Anthropic's header) or as
 ``Authorization: Bearer``: the same keys, tenants and limits as the OpenAI routes.
 
@@ -19,10 +19,10 @@ from fastapi import APIRouter, Depends, Request
 
 from client.shim.anthropic_format import MessagesTally, error_body
 from client.shim.anthropic_schema import MessagesRequest, to_chat
-from client.shim.chat_path import respond_chat
 from client.shim.errors import unauthorized
+from client.shim.generation import respond_chat
+from client.shim.lora import adapter_for
 from client.shim.reasoning import parses_reasoning
-from client.shim.routes import _check_model
 from client.shim.tenants import KeyPolicy
 from client.shim.tools import parses_tool_calls
 
@@ -45,7 +45,7 @@ async def anthropic_key(request: Request) -> KeyPolicy:
 
 @router.post(PATH)
 async def create_message(body: MessagesRequest, request: Request, key: KeyPolicy = Depends(anthropic_key)):
-    _check_model(request, body.model)
+    adapter_for(request.app.state, body.model)         # 404 unless served (or an adapter)
     body.check_supported()
     chat = to_chat(body)
     tally = MessagesTally(request_id=f"msg_{uuid.uuid4().hex}", body=body,

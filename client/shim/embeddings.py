@@ -27,9 +27,9 @@ from backend import protocol as P
 from client.errors import TritonLLMError
 from client.interface import EmbeddingClient
 from client.shim import limits as L
+from client.shim.auth import authenticated
 from client.shim.errors import OpenAIError, from_llm_error, model_not_found
 from client.shim.generation import ClientDisconnected, until_disconnect
-from client.shim.routes import authenticated
 from client.shim.tenants import KeyPolicy
 
 router = APIRouter()

@@ -1,26 +1,157 @@
-"""One HTTP request's generation: gRPC streams, merged choices, and the client-disconnect watch.
+"""The one generation path every generating route shares (chat and completions in routes.py,
+Responses, Anthropic Messages): from a validated body to its answer.
+
+    check_prompt ─► request_params (key's priority, tenant, adapter) ─► InFlight slot ─► gRPC
+    stream(s) (client.generate) ─► merged ─► respond: a whole body (collect) or an SSE stream
+    (events, BoundedSSE) ─► the API's tally shapes each chunk; errors mapped by the API's own
+    param names
 
 A completions request may carry several prompts; each is its own gRPC stream and its choices are
-numbered ``prompt_index * n + index``. Every cleanup path here is synchronous (it only cancels
-tasks / closes generators whose own cleanup does not await), so it works inside a task that the
-server already cancelled because the HTTP client went away.
+numbered ``prompt_index * n + index``. Failures before the first token answer with an error
+status; failures after it end the SSE stream with an ``error`` event and no ``[DONE]``. Every
+cleanup path here is synchronous (it only cancels tasks / closes generators whose own cleanup
+does not await), so it works inside a task that the server already cancelled because the HTTP
+client went away.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from typing import AsyncIterator
 
 from fastapi import Request
+from fastapi.responses import JSONResponse, Response
 
+from backend import protocol as P
+from backend import timing
+from client.errors import InternalError, TritonLLMError, UnavailableError
+from client.shim.errors import from_llm_error
+from client.shim.format import Tally
+from client.shim.limits import check_prompt_chars
+from client.shim.lora import adapter_for
+from client.shim.settings import context_window_of
+from client.shim.streaming import BoundedSSE
+from client.shim.tenants import KeyPolicy, Slot, effective_priority
 from client.wire import Chunk
 
+log = logging.getLogger("triton_llm.shim")
 Item = tuple[int, int, Chunk]                    # (choice index, prompt index, chunk)
 QUEUE_ITEMS = 64                                 # chunks merged from several prompts, waiting
+CLIENT_CLOSED = 499                              # nginx's code; the client never sees it
 
 
 class ClientDisconnected(Exception):
     """The HTTP client closed the connection; the generation was cancelled and aborted."""
+
+
+async def check_prompt(request: Request, chars: int, param: str) -> None:
+    """A prompt far longer than the context window is a 400 before the server tokenizes it."""
+    settings = request.app.state.settings
+    if chars <= settings.prompt_chars_per_token * 64:      # shorter than any window could reject
+        return
+    try:
+        window = await context_window_of(request.app).get()
+    except TritonLLMError:
+        return                                          # the server cannot say: it checks itself
+    check_prompt_chars(chars, window, settings.prompt_chars_per_token, param)
+
+
+def request_params(request: Request, body, key: KeyPolicy, lora: str | None = None) -> dict:
+    """The body's parameters plus the adapter its model names, the key's priority and tenant."""
+    params = body.params()
+    if lora is not None:                                # the model id named an adapter (lora.py)
+        params[P.LORA] = lora
+    params.pop("priority", None)
+    priority = effective_priority(key, body.priority)
+    if priority:
+        params["priority"] = priority                   # sent as request_priority
+    if not request.app.state.settings.allow_shared_prefix and key.tenant:
+        params[P.TENANT] = key.tenant
+    return params
+
+
+async def respond_chat(request: Request, key: KeyPolicy, chat, tally, param_names: dict[str, str],
+                       prompt_param: str) -> Response:
+    """Generate the ChatCompletionRequest ``chat`` (Responses and Anthropic Messages translate their
+    bodies into one) and answer with ``tally``'s shape (a whole body, or its SSE stream)."""
+    await check_prompt(request, chat.prompt_chars(), prompt_param)
+    timing.mark(tally.id, "shim.recv")
+    state = request.app.state
+    params = request_params(request, chat, key, adapter_for(state, chat.model))   # model -> adapter
+    slot = state.in_flight.acquire(key)
+    agens = [state.client.generate(messages=chat.messages_json(), request_id=tally.id, params=params,
+                                   stream=chat.stream)]
+    return await respond(request, agens, tally, 1, chat.stream, param_names, slot)
+
+
+async def respond(request: Request, agens: list, tally: Tally, n: int, stream: bool,
+                  param_names: dict[str, str], slot: Slot) -> Response:
+    """Answer the request; ``slot`` (the key's open-request count) is released when it is over:
+    here for a whole response, when the SSE stream closes for a stream."""
+    settings = request.app.state.settings
+    items = merged(agens, n)
+    handed_over = False
+    try:
+        if not stream:
+            try:
+                await until_disconnect(request, collect(items, tally), settings.disconnect_poll_s)
+            except ClientDisconnected:
+                log.info("%s: client disconnected, generation aborted", tally.id)
+                return Response(status_code=CLIENT_CLOSED)
+            except TritonLLMError as exc:
+                raise from_llm_error(exc, param_names) from None
+            if not tally.done:                          # never a 200 with a truncated answer
+                raise from_llm_error(UnavailableError("the server ended the request before it finished"))
+            return JSONResponse(tally.response(), headers=tally.headers())
+
+        # Streaming: wait for the first response so that a rejection (400 / 429 / 503) still gets
+        # its status code instead of a 200 stream that fails at once.
+        try:
+            first = await until_disconnect(request, anext(items, None), settings.disconnect_poll_s)
+        except ClientDisconnected:
+            log.info("%s: client disconnected before the first token, generation aborted", tally.id)
+            return Response(status_code=CLIENT_CLOSED)
+        except TritonLLMError as exc:
+            raise from_llm_error(exc, param_names) from None
+        handed_over = True
+        return BoundedSSE(events(first, items, tally, param_names), name=tally.id,
+                          write_timeout=settings.stream_write_timeout_s, on_close=slot.release,
+                          headers={"x-request-id": tally.id, "cache-control": "no-cache",
+                                   "x-accel-buffering": "no"})
+    finally:
+        if not handed_over:
+            slot.release()
+            await items.aclose()
+
+
+async def events(first, items, tally: Tally, param_names: dict[str, str]):
+    """SSE body, one write per gRPC response (its events joined; the role chunks go with the first
+    one, the finish chunks with the usage and ``[DONE]``): the same bytes in fewer sends. A client
+    disconnect cancels this generator mid-await; the per-stream cleanup (gRPC cancel + explicit
+    abort) runs synchronously as the cancellation unwinds."""
+    pending = ""
+    try:
+        pending = "".join(tally.start_events())
+        item = first
+        while item is not None:
+            pending += "".join(tally.chunk_events(*item))
+            if pending and not tally.done:
+                yield pending
+                pending = ""
+            item = await anext(items, None)
+        if not tally.done:
+            raise UnavailableError("the server ended the request before it finished")
+        pending += "".join(tally.end_events())
+        yield pending
+    except TritonLLMError as exc:
+        log.warning("%s: stream failed after it started: %s", tally.id, exc)
+        yield pending + tally.error_event(from_llm_error(exc, param_names))
+    except Exception as exc:                    # noqa: BLE001 -- still end with an error event
+        log.exception("%s: stream failed", tally.id)
+        yield pending + tally.error_event(from_llm_error(InternalError(f"{type(exc).__name__}: {exc}")))
+    finally:
+        await items.aclose()
 
 
 async def _single(agen: AsyncIterator[Chunk]) -> AsyncIterator[Item]:

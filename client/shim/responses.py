@@ -1,7 +1,7 @@
 """``POST /v1/responses`` (OpenAI's Responses API) on the chat generation path.
 
 The body becomes a chat request (client/shim/responses_schema.py), generated like any chat
-completion (client/shim/chat_path.py), and answered in the Responses shape
+completion (client/shim/generation.py), and answered in the Responses shape
 (client/shim/responses_format.py). ``previous_response_id`` continues a stored conversation of the
 same tenant (client/shim/response_store.py); ``store: false`` keeps nothing.
 """
@@ -11,21 +11,23 @@ import uuid
 
 from fastapi import APIRouter, Depends, Request
 
-from client.shim.chat_path import assistant_message, respond_chat
+from client.shim.auth import authenticated
 from client.shim.errors import OpenAIError, invalid
 from client.shim.reasoning import parses_reasoning
 from client.shim.responses_format import ResponsesTally
 from client.shim.responses_schema import ResponsesRequest, to_chat
-from client.shim.routes import _check_model, authenticated
+from client.shim.generation import respond_chat
+from client.shim.lora import adapter_for
 from client.shim.tenants import KeyPolicy
 from client.shim.tools import parses_tool_calls
+from client.shim.turn import assistant_message
 
 router = APIRouter()
 
 
 @router.post("/v1/responses")
 async def create_response(body: ResponsesRequest, request: Request, key: KeyPolicy = Depends(authenticated)):
-    _check_model(request, body.model)
+    adapter_for(request.app.state, body.model)         # 404 unless served (or an adapter)
     body.check_supported()
     state = request.app.state
     store = state.response_store

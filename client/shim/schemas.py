@@ -23,6 +23,9 @@ NonNegative = Annotated[int, Field(ge=0, le=L.INT64_MAX)]
 Logprobs = Annotated[int, Field(ge=0, le=L.MAX_LOGPROBS)]
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 TokenId = Annotated[int, Field(ge=0, le=L.INT32_MAX)]
+# Fields that ask for structured output (tools.py turns them into parameters; others skip it).
+STRUCTURED_FIELDS = ("tools", "tool_choice", "response_format", "logit_bias", "guided_json", "guided_regex",
+                     "guided_choice", "guided_grammar")
 
 
 class _Body(BaseModel):
@@ -89,7 +92,8 @@ class _Generation(_Body):
             stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
             if stop:
                 p[P.STOP] = stop
-        p.update(structured_params(self))
+        if any(getattr(self, f, None) is not None for f in STRUCTURED_FIELDS):
+            p.update(structured_params(self))
         return p
 
 

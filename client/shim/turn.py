@@ -115,3 +115,12 @@ class TurnTally(Tally):
 
     def error_event(self, err) -> str:
         raise NotImplementedError
+
+
+def assistant_message(turn) -> dict:
+    """A parsed turn as the chat message a later request sends back (thinking left out)."""
+    msg: dict = {"role": "assistant", "content": turn.text if turn.text or not turn.calls else None}
+    if turn.calls:
+        msg["tool_calls"] = [{"id": c["id"], "type": "function",
+                              "function": {"name": c["name"], "arguments": c["arguments"]}} for c in turn.calls]
+    return msg

@@ -10,7 +10,7 @@ import pytest
 
 from client.shim import format as fmt
 from client.shim.format import Tally
-from client.shim.routes import _events
+from client.shim.generation import events as _events
 from client.wire import Chunk
 
 ODD = ['"', "\\", "\n", "\t", "\x00", "\x1f", "\u2028", "é", "日本", "🙂", "</script>", "\ue000", "{}", ","]
