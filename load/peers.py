@@ -174,16 +174,25 @@ def add_peer_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m load.peers install | install-vllm | install-llamacpp``: the peers, from nothing."""
+    """``python -m load.peers install | install-vllm | install-llamacpp``: the peers, from nothing;
+    ``report [JSON]``: a saved run's tables."""
     p = argparse.ArgumentParser(prog="python -m load.peers", description=main.__doc__)
-    p.add_argument("what", choices=["install", "install-vllm", "install-llamacpp"])
+    p.add_argument("what", choices=["install", "install-vllm", "install-llamacpp", "report"])
+    p.add_argument("json", nargs="?", default="load/results/suite-peers.json", help="report: a saved run")
+    p.add_argument("--warm", nargs="*", default=["models/default", "bench-110m"],
+                   help="vLLM: checkpoints to start once per dtype (fills its compile caches)")
     args = p.parse_args(argv)
+    if args.what == "report":              # the tables again, from a saved run
+        import json
+        print(peers_report(json.loads(pathlib.Path(args.json).read_text())["results"]))
+        return 0
     if args.what in ("install", "install-llamacpp"):
         from load.llamacpp import ensure_llama_quantize, ensure_llama_server
         print(ensure_llama_server(), ensure_llama_quantize())
     if args.what in ("install", "install-vllm"):
-        from load.vllm_cpu import install
+        from load.vllm_cpu import install, warm
         print(install())
+        print(warm([resolve_model(m) for m in args.warm]))
     return 0
 
 

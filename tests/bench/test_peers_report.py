@@ -119,3 +119,15 @@ def test_vllm_stage_adds_architectures(tmp_path, monkeypatch):
     assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["rope_theta"] == 1e4
     assert (stage / "model.safetensors").resolve() == (src / "model.safetensors").resolve()
     assert "architectures" not in json.loads((src / "config.json").read_text())
+
+
+def test_report_reprints_a_saved_run(tmp_path, capsys):
+    from load.peers import main
+
+    saved = tmp_path / "suite-peers.json"
+    saved.write_text(json.dumps({"command": "x", "results": {
+        "machine": {"cpu": "AMD EPYC", "cores": 2}, "m": {"float32": {PEER: {16: point(80.0)}, OURS: {16: point(120.0)}}}}}))
+    assert main(["report", str(saved)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Host: AMD EPYC") and "| fp32 | 16 | 80.0 | – | 120.0 | 1.50x |" in out
+    assert "| **best dtype** | 16 | 80.0 (fp32) | – | 120.0 (fp32) | **1.50x** | | |" in out
