@@ -25,7 +25,7 @@ pytestmark = pytest.mark.e2e
 ray = pytest.importorskip("ray")
 
 from tests.conftest import E2E_ENGINE_OPTIONS, model_dir  # noqa: E402
-from tests.e2e.ray_app import replica_tritonservers, serve_app  # noqa: E402
+from tests.e2e.ray_app import received_unread, replica_tritonservers, serve_app  # noqa: E402
 
 APP = "tllm-pd"
 
@@ -36,7 +36,9 @@ def disagg_app():
 
     cfg = ScaleConfig(model_dir=str(model_dir("tiny")), engine_options=dict(E2E_ENGINE_OPTIONS),
                       replicas=1, prefill_replicas=1, replica_cpus=0.5, ingress_cpus=0.25,
-                      health_check_period_s=1.0, graceful_shutdown_s=5.0, shim={"model_name": "tiny"})
+                      # a check every 5 s: the hang-up test freezes the decode server for up to
+                      # FREEZE_S, shorter than Ray's three failed checks before it replaces one
+                      health_check_period_s=5.0, graceful_shutdown_s=5.0, shim={"model_name": "tiny"})
     with serve_app(cfg, APP) as base:
         yield base
 
@@ -87,6 +89,7 @@ def _role_metric(role: str, name: str, **labels) -> float:
     return total
 
 
+FREEZE_S = 8.0
 PROMPTS = [f"Tell me about the item number {i} in a few words." for i in range(6)]
 
 
@@ -145,21 +148,29 @@ def test_hanging_up_after_the_hand_over_aborts_in_the_decode_engine(disagg_app):
         events += line.startswith(b"data: {")
     # The decode server is frozen (SIGSTOP) while the hang-up travels (Ray's proxy, the ingress,
     # the replica, whose explicit abort then waits in the frozen server's socket), so the stream
-    # cannot finish first however fast the host: on a fast CPU its 900 tokens used to.
-    # Ray sees a failed health check after a second frozen, and replaces a replica after three.
-    frozen = [srv["pid"] for srv in _role_servers("decode")]
-    assert frozen
-    for pid in frozen:
-        os.killpg(pid, signal.SIGSTOP)
+    # cannot finish first however fast the host: on a fast CPU its 900 tokens used to. It is
+    # continued once the abort's bytes are in that socket's receive queue (the replica's gRPC
+    # connection sends nothing else to a server that sends nothing), not after a guessed time.
+    frozen = _role_servers("decode")
+    assert len(frozen) == 1, frozen
+    pid, grpc_port = frozen[0]["pid"], frozen[0]["grpc_port"]
+    os.killpg(pid, signal.SIGSTOP)
     try:
+        unread, still = received_unread(grpc_port), time.monotonic()
+        while time.monotonic() - still < 0.5:      # the replica reads what was sent, acks settle
+            time.sleep(0.05)
+            if received_unread(grpc_port) != unread:
+                unread, still = received_unread(grpc_port), time.monotonic()
         conn.close()
-        until = time.monotonic() + 2.0
-        while time.monotonic() < until and json.loads(_get(f"{disagg_app}/scale/stats"))["ongoing_primary"]:
-            time.sleep(0.05)                         # the ingress let go of the request
-        time.sleep(0.3)
+        deadline = time.monotonic() + FREEZE_S     # a guard: Ray replaces a server frozen too long
+        while time.monotonic() < deadline and (
+                received_unread(grpc_port) <= unread
+                or json.loads(_get(f"{disagg_app}/scale/stats"))["ongoing_primary"]):
+            time.sleep(0.05)
+        sent = received_unread(grpc_port) - unread
     finally:
-        for pid in frozen:
-            os.killpg(pid, signal.SIGCONT)
+        os.killpg(pid, signal.SIGCONT)
+    assert sent > 0, f"no abort reached the frozen decode server within {FREEZE_S} s"
     deadline, gained = time.monotonic() + 60, 0.0
     while time.monotonic() < deadline and gained < 1:
         time.sleep(0.5)
