@@ -68,7 +68,8 @@ def settings(args) -> dict:
     cores = os.cpu_count() or 2
     threads = 1 if args.one_thread else cores
     return {"threads": threads, "peer_threads": args.peer_threads or threads, "parallel": max(args.streams),
-            "vllm_bind": "0" if threads == 1 else f"0-{threads - 1}",
+            "vllm_bind": ("0" if threads == 1 else f"0-{threads - 1}")
+            + (" --enforce-eager" if getattr(args, "vllm_eager", False) else ""),
             "ours_threads": "num_threads=1" if args.one_thread else "at its defaults",
             "requests": {s: peer_spec(s, args.scale, single=args.single_requests).num_jobs for s in args.streams}}
 
@@ -115,7 +116,7 @@ async def run_peers(args, bench_point) -> dict:
                                               bench_point)
             if VLLM in who and dtype in SUPPORTS[VLLM]:
                 with vllm_cpu.VllmServer(model_dir, dtype=dtype, threads=st["threads"], max_num_seqs=st["parallel"],
-                                         kv_gib=args.vllm_kv_gib) as srv:
+                                         kv_gib=args.vllm_kv_gib, eager=args.vllm_eager) as srv:
                     res[VLLM] = await _points(CompletionsBackend(srv.url, label=VLLM), label, args.streams, specs,
                                               bench_point)
             if OURS in who and dtype in SUPPORTS[OURS]:
@@ -165,6 +166,8 @@ def add_peer_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--one-thread", action="store_true",
                    help="peers: one thread each (llama-server -t 1, vLLM bound to core 0, ours num_threads=1)")
     p.add_argument("--vllm-kv-gib", type=int, default=2, help="peers: VLLM_CPU_KVCACHE_SPACE")
+    p.add_argument("--vllm-eager", action="store_true",
+                   help="peers: vLLM --enforce-eager (no torch.compile; its default compiles, which is faster)")
     p.add_argument("--peer-threads", type=int, default=None, help="peers: llama.cpp -t (default: all cores)")
     p.add_argument("--ours-quant", choices=["gguf", "option"], default="gguf",
                    help="peers --dtypes q8_0/q4_0: ours serves the same quantized GGUF imported --keep-quantized "

@@ -127,10 +127,11 @@ def server_env(base: dict, *, threads: int, kv_gib: int, venv: pathlib.Path = VE
 
 
 def server_cmd(py: pathlib.Path, model: pathlib.Path, port: int, *, dtype: str, max_num_seqs: int,
-               max_model_len: int = 1024) -> list[str]:
+               max_model_len: int = 1024, eager: bool = False) -> list[str]:
+    """``eager``: no torch.compile (vLLM's default compiles, its fastest; for quick smoke runs)."""
     return [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--dtype", DTYPES[dtype],
             "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", str(max_num_seqs),
-            "--max-model-len", str(max_model_len)]
+            "--max-model-len", str(max_model_len), *(["--enforce-eager"] if eager else [])]
 
 
 def warm(model_dirs: list[pathlib.Path], dtypes: tuple[str, ...] = tuple(DTYPES), timeout: float = 3600.0) -> dict:
@@ -152,13 +153,14 @@ class VllmServer:
     """``with VllmServer(model_dir, dtype="bfloat16") as srv: srv.url`` -- started, healthy, stopped."""
 
     def __init__(self, model_dir: pathlib.Path, *, dtype: str = "float32", threads: int | None = None,
-                 max_num_seqs: int = 16, kv_gib: int = 2, start_timeout: float = 600.0) -> None:
+                 max_num_seqs: int = 16, kv_gib: int = 2, start_timeout: float = 900.0, eager: bool = False) -> None:
         from backend.serving.launcher import free_port
 
         if not installed():
             raise RuntimeError("vLLM CPU is not installed: python -m load.peers install-vllm")
         self.port = free_port()
-        self.cmd = server_cmd(python(), stage_model(model_dir), self.port, dtype=dtype, max_num_seqs=max_num_seqs)
+        self.cmd = server_cmd(python(), stage_model(model_dir), self.port, dtype=dtype, max_num_seqs=max_num_seqs,
+                              eager=eager)
         self.env = server_env(dict(os.environ), threads=threads or os.cpu_count() or 2, kv_gib=kv_gib)
         self.start_timeout = start_timeout
         self.proc: subprocess.Popen | None = None

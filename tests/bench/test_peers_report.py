@@ -93,7 +93,9 @@ def test_vllm_install_removes_the_cuda_builds_and_serves_by_module(tmp_path):
     args = dict(zip(cmd[3::2], cmd[4::2]))
     assert cmd[:3] == ["/v/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
     assert args["--model"] == "/m" and args["--dtype"] == "bfloat16" and args["--host"] == "127.0.0.1"
-    assert args["--max-num-seqs"] == "16"
+    assert args["--max-num-seqs"] == "16" and "--enforce-eager" not in cmd     # compiled: vLLM's default
+    assert vllm_cpu.server_cmd(pathlib.Path("p"), pathlib.Path("m"), 1, dtype="float32", max_num_seqs=1,
+                               eager=True)[-1] == "--enforce-eager"
 
 
 def test_vllm_env_preloads_and_binds(tmp_path):
