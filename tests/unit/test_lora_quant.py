@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from backend import LLM, SamplingParams
+from backend.lora.fused import rows_done
 from tests.unit.lora_helpers import make_adapter
 
 G = {"temperature": 0, "max_tokens": 12, "min_tokens": 12}
@@ -26,6 +27,9 @@ def test_adapters_on_a_quantized_base(tiny_model, adapter, quantization):
     llm = LLM(tiny_model, num_kv_blocks=64, quantization=quantization, max_loras=1, lora_modules={"a": adapter})
     base = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(**G))]
     alone = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(lora="a", **G))]
+    before = rows_done()
     mixed = [o.outputs[0].token_ids for o in llm.generate(prompts, [SamplingParams(lora=r, **G) for r in ROUTE])]
+    if llm.engine.runner.fused is not None:      # the quant C library built: adapter rows ran in C
+        assert rows_done() > before
     assert mixed == [alone[i] if r else base[i] for i, r in enumerate(ROUTE)]
     assert all(alone[i] != base[i] for i in range(len(prompts)))
