@@ -10,6 +10,7 @@
  *   bf16_avx2.c     bf16 weights widened in AVX2 registers
  *   decode_cpu.c    step_forward: the step itself (norms, RoPE, KV store, attention, MLP, lm_head)
  *   paged_cpu.c, kv_half.c   attention through the block table; f32_to_half
+ *   lora_cpu.c      LoRA adapter rows: shrink / expand after each projection (Model.lora)
  */
 #ifndef TRITON_LLM_DECODE_CPU_H
 #define TRITON_LLM_DECODE_CPU_H
