@@ -10,8 +10,8 @@ server computes, then the assistant's reply) until the byte quota refuses one (4
 ``insufficient_quota``), then reads the whole conversation back 5 times. Meanwhile tenant
 ``prober`` asks ``GET /v1/models`` every 20 ms from its own process (so the builder's reading of
 a 30 MB answer never delays the prober's clock), after one warm-up call. Reports, as JSON: the idle baseline and the
-latencies during the build and the read-back (median, p99, max in ms), the turns stored and the
-conversation's size.
+latencies during the build and the read-back (median, p99, max in ms, and the three slowest probes
+with their time into the phase), the turns stored and the conversation's size.
 """
 from __future__ import annotations
 
@@ -107,7 +107,11 @@ async def _run(url: str, args) -> dict:
     for (phase, t0), (_, t1) in zip(marks, marks[1:]):
         ms = [v for t, v, _ in samples if t0 <= t < t1]
         errors = sum(1 for t, _, code in samples if t0 <= t < t1 and code != 200)
-        report[phase] = {**_summary(ms), "errors": errors, "seconds": round(t1 - t0, 1)}
+        # where in the phase its slowest probes were (s from its start): a stall at 0 s is the
+        # phase's first request, one spread over the phase is steady work (or the host's other jobs)
+        slowest = sorted(((v, t - t0) for t, v, _ in samples if t0 <= t < t1), reverse=True)[:3]
+        report[phase] = {**_summary(ms), "errors": errors, "seconds": round(t1 - t0, 1),
+                         "slowest": [f"{v:.1f} ms at {at:.1f} s" for v, at in slowest]}
     return report
 
 
