@@ -61,3 +61,21 @@ def test_structured_work_only_for_requests_that_ask():
     with pytest.raises(EngineError) as info:
         request_settings({"guided_regex": "a", "guided_choice": '["x"]'})
     assert info.value.param == "guided_choice"
+
+
+def test_preprocessing_reads_only_its_prompts_parameters():
+    from backend.serving.preprocess import Preprocessor
+    from tests.conftest import model_dir
+
+    pre = Preprocessor(model_dir("tiny"), context_window=64)
+    bad_for_the_engine = {"temperature": "nan", "n": 99, "max_tokens": 10 ** 9, "stream": "perhaps"}
+    assert pre("hello", None, bad_for_the_engine) == pre.encode_prompt("hello")
+    with pytest.raises(EngineError) as info:            # its own parameter is still checked
+        pre("hello", None, {"embed": "perhaps"})
+    assert info.value.param == "embed"
+    text = " ".join(["word"] * 200)
+    n = len(pre.encode_prompt(text))
+    window = Preprocessor(model_dir("tiny"), context_window=n)     # the prompt fills it exactly
+    with pytest.raises(EngineError, match="at least one must be left"):
+        window(text, None, {})
+    assert len(window(text, None, {"embed": True})) == n  # an embedding may fill the window
