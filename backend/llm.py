@@ -20,7 +20,8 @@ class LLM:
     """Runs the engine in the caller's thread until every prompt is done."""
 
     def __init__(self, model_dir: Any, **engine_options: Any):
-        self.engine = LLMEngine(model_dir, EngineArgs(**engine_options))
+        args = EngineArgs(**engine_options)         # the engine's and LoRA's parts apply offline
+        self.engine = LLMEngine(model_dir, args.engine, lora=args.lora)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from backend.config import EngineArgs
+from backend.config import EngineConfig
 from backend.disagg.pair import DisaggPair
 from backend.disagg.shm import SharedMemoryConnector
 from backend.disagg.tcp import TcpConnector
@@ -52,12 +52,12 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 3000, (a.prompt_len,), generator=g).tolist() for _ in range(a.requests)]
     params = SamplingParams(temperature=0, max_tokens=a.max_tokens, min_tokens=a.max_tokens)
-    ref, ref_ttft, ref_s = drive(LLMEngine(path, EngineArgs(**args)), prompts, params)
+    ref, ref_ttft, ref_s = drive(LLMEngine(path, EngineConfig(**args)), prompts, params)
     if a.connector == "shm":
         conn, dconn = SharedMemoryConnector(), None
     else:
         conn, dconn = TcpConnector(), TcpConnector()
-    pair = DisaggPair(LLMEngine(path, EngineArgs(**args)), LLMEngine(path, EngineArgs(**args)), conn, dconn)
+    pair = DisaggPair(LLMEngine(path, EngineConfig(**args)), LLMEngine(path, EngineConfig(**args)), conn, dconn)
     try:
         got, ttft, pair_s = drive(pair, prompts, params)
     finally:

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from backend.config import EngineArgs
+from backend.config import EngineConfig
 from backend.model.batch_builder import SeqChunk, build_batch
 from backend.model.runner import ModelRunner
 
@@ -27,8 +27,9 @@ def run(model_dir: str, *, batch: int, context: int, steps: int, dtype: str, blo
         backend: str = "auto", num_threads: int | None = None, ab_fused: bool = False,
         kv_cache_dtype: str = "auto") -> dict:
     blocks_per_seq = -(-(context + steps + 1) // block_size)    # steps + 1: step 0 is a warm-up
-    runner = ModelRunner(model_dir, EngineArgs(dtype=dtype, block_size=block_size, attention_backend=backend, kv_cache_dtype=kv_cache_dtype,
-                                               num_kv_blocks=batch * blocks_per_seq, num_threads=num_threads))
+    runner = ModelRunner(model_dir, EngineConfig(dtype=dtype, block_size=block_size, attention_backend=backend,
+                                                 kv_cache_dtype=kv_cache_dtype, num_kv_blocks=batch * blocks_per_seq,
+                                                 num_threads=num_threads))
     rng = random.Random(0)
     free = rng.sample(range(runner.num_blocks), runner.num_blocks)
     tables = [free[i * blocks_per_seq:(i + 1) * blocks_per_seq] for i in range(batch)]
@@ -83,7 +84,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--kv-cache-dtype", default="auto", help="auto | fp16 | bf16 (EngineArgs.kv_cache_dtype)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto | fp16 | bf16 (EngineConfig.kv_cache_dtype)")
     ap.add_argument("--ab-fused", action="store_true", help="alternate fused C step and torch path")
     a = ap.parse_args()
     print(json.dumps(run(a.model_dir, batch=a.batch, context=a.context, steps=a.steps, dtype=a.dtype,

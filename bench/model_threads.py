@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from backend.config import EngineArgs
+from backend.config import EngineConfig
 from backend.model.batch_builder import SeqChunk, build_batch
 from backend.model.runner import ModelRunner
 from kernels.cpu import decode_library
@@ -33,7 +33,7 @@ def _burn(stop, seconds: float) -> None:
 
 
 def run(model: str, reps: int, batch_size: int, burn_ms: float) -> None:
-    r = ModelRunner(model, EngineArgs(block_size=BS, num_kv_blocks=2048, num_threads=2))
+    r = ModelRunner(model, EngineConfig(block_size=BS, num_kv_blocks=2048, num_threads=2))
     rng = random.Random(0)
     blocks = rng.sample(range(2048), 2048)
     chunks = []

@@ -47,7 +47,7 @@ VARS: dict[str, Var] = {v.name: v for v in [
     Var("TRITON_LLM_ENGINE_NICE", None, "nice value of the engine thread (the engine stub's default is set by the launcher)"),
     Var("TRITON_LLM_DRAIN_SECONDS", "60", "serve's drain on SIGTERM: open streams may finish this long"),
     Var("TRITONSERVER", None, "the tritonserver binary to use instead of the pytriton wheel's"),
-    Var("TRITON_LLM_TEST_FAULTS", "0", "1 (tests only, with the test_faults engine option): fault-injection parameters"),
+    Var("TRITON_LLM_TEST_FAULTS", "0", "1 (tests only): the engine honours the test_fault request parameter"),
     # the shim (client/shim/settings.py)
     Var("TRITON_LLM_API_KEYS", None, "comma-separated KEY[:TENANT] API keys, beside --api-keys FILE"),
     Var("TRITON_LLM_INSECURE_NO_API_KEYS", "0", "1: --insecure-no-api-keys (serve without keys beyond loopback)"),

@@ -253,7 +253,7 @@ class EngineBackend(Backend):
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         args = EngineArgs.from_dict({k: str(v) for k, v in self.engine_options.items()})
-        engine = await asyncio.to_thread(LLMEngine, self.model_dir, args)
+        engine = await asyncio.to_thread(LLMEngine, self.model_dir, args.engine, lora=args.lora)
         self.loop = EngineLoop(engine)
         self._aio = asyncio.get_running_loop()
 

@@ -53,10 +53,10 @@ def parse_spec(spec: str) -> dict:
 
 
 def _runner(model: str, spec: str):
-    from backend.config import EngineArgs
+    from backend.config import EngineConfig
     from backend.model.runner import ModelRunner
 
-    return ModelRunner(model, EngineArgs(**parse_spec(spec), num_kv_blocks=WINDOW // 16 + 2))
+    return ModelRunner(model, EngineConfig(**parse_spec(spec), num_kv_blocks=WINDOW // 16 + 2))
 
 
 @torch.inference_mode()
@@ -220,7 +220,7 @@ def step(a) -> list[dict]:
     time of ``--rounds``."""
     import random
 
-    from backend.config import EngineArgs
+    from backend.config import EngineConfig
     from backend.model.batch_builder import SeqChunk, build_batch
     from backend.model.runner import ModelRunner
     from backend.quant import cpu
@@ -230,8 +230,8 @@ def step(a) -> list[dict]:
     per_seq = -(-longest // bs) + 1
     nseq = max(a.batch)
     args = dict(block_size=bs, num_kv_blocks=nseq * per_seq, num_threads=a.threads or 1)
-    fp32 = ModelRunner(a.model, EngineArgs(**args))
-    q8 = ModelRunner(a.model, EngineArgs(quantization="int8", quant_lm_head=a.head, **args))
+    fp32 = ModelRunner(a.model, EngineConfig(**args))
+    q8 = ModelRunner(a.model, EngineConfig(quantization="int8", quant_lm_head=a.head, **args))
     rng = random.Random(0)
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(nseq)]
     prompts = [[rng.randrange(fp32.info.vocab_size) for _ in range(longest)] for _ in range(nseq)]

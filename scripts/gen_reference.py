@@ -47,16 +47,6 @@ C_GETENV = re.compile(r'getenv\(\s*"([A-Za-z_][A-Za-z0-9_]*)"\s*\)')
 # does not read alone, a lab variable outside the registry, a flag without help: "COMMAND FLAG").
 # A name here that the code no longer has is simply not written.
 NOTES = {
-    "busy_hold_steps": "serving, under load: hold a stream's tokens for at least this many of its own gaps between steps",
-    "busy_hold_max": "serving, under load: ... up to this many seconds (slow steps still gather)",
-    "block_size": "tokens per KV block (the prefix cache's unit)",
-    "max_num_seqs": "sequences running at once",
-    "max_num_batched_tokens": "the step's token budget (prefill chunks + decodes)",
-    "enable_prefix_caching": "reuse the KV of identical prompt prefixes (hash-chained full blocks)",
-    "disk_tier_path": "folder of the disk KV tier (None = no disk tier)",
-    "disk_tier_blocks": "blocks in the disk KV tier",
-    "device": "torch device of the model and KV pool (cpu, cuda)",
-    "seed": "seed of the engine's sampler (a request's own seed wins)",
     "LLM_TTFT_TRACE": "folder: record first-token timestamps per process (lab trace)",
     "PYTHONPATH": "with bench/attach on it, the lab serves the checkout it names (`overhead_ab NAME@tree=DIR`)",
     "OUT": "gpu_check.py writes its logs under $OUT/gpu_check",
@@ -371,14 +361,16 @@ def render() -> str:
              "comment or help text in the code and re-run it); `tests/unit/test_reference_doc.py` fails when",
              "this page and the code disagree.", "",
              "## Engine options", "",
-             "`backend/config.py` `EngineArgs`. Give them as `--engine-option KEY=VALUE` to `triton-llm serve`",
+             "`backend/config.py`: one dataclass per concern (the parts below; each consumer takes its part),",
+             "one flat set of names. Give them as `--engine-option KEY=VALUE` to `triton-llm serve`",
              "(repeatable), as keyword arguments of `LLM(...)`, or as `parameters` of",
-             "`model_repository/engine/config.pbtxt` (strings, parsed by `EngineArgs.from_dict`).", ""]
+             "`model_repository/engine/config.pbtxt` (strings, parsed by `EngineArgs.from_dict`; booleans:",
+             "`true`/`false`, `1`/`0`, `yes`/`no`, `on`/`off`).", ""]
     part = None
     for p, name, typ, default, meaning in engine_options():
         if p != part or part is None:
             if p:
-                lines += ["", f"### {p}", ""]
+                lines += ([""] if lines[-1] else []) + [f"### {p}", ""]
             lines += ["| option | type | default | meaning |", "|---|---|---|---|"]
             part = p
         lines.append(f"| `{name}` | {_md(typ)} | {_md(default)} | {_md(meaning)} |")

@@ -178,14 +178,14 @@ def part_engine(deadline: float, model_dir: str | None) -> None:
 def _runner_bench(deadline: float, model_dir: str) -> None:
     """Decode steps straight on the ModelRunner (no scheduler), for when backend.LLM is missing."""
     import torch
-    from backend.config import EngineArgs
+    from backend.config import EngineConfig
     from backend.model.batch_builder import SeqChunk, build_batch
     from backend.model.runner import ModelRunner
     context, steps, bs, max_batch = 32, 16, 16, 256
     per_seq = -(-(context + steps + 1) // bs)
     for attn in ("triton", "torch"):
         try:
-            runner = ModelRunner(model_dir, EngineArgs(dtype="bfloat16", device="cuda", attention_backend=attn,
+            runner = ModelRunner(model_dir, EngineConfig(dtype="bfloat16", device="cuda", attention_backend=attn,
                                                        block_size=bs, num_kv_blocks=max_batch * per_seq))
             vocab = runner.info.vocab_size
             for batch in (1, 8, 32, 64, 128, 256):

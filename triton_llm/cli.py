@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--metrics-port", type=int, default=8002)
     sv.add_argument("--shim-port", type=int, default=9000, help="OpenAI-compatible HTTP port (0 = no shim)")
     sv.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
-                    help="engine option (see backend/config.py EngineArgs), repeatable")
+                    help="engine option (backend/config.py; all in docs/reference.md), repeatable")
     sv.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
                     help="serve a PEFT LoRA adapter under the model id NAME, repeatable (docs/lora.md)")
     sv.add_argument("--api-keys", default=None, help="file of API keys for the shim (KEY[:TENANT] per line)")

@@ -9,8 +9,8 @@ from backend.disagg.tcp import TcpConnector
 
 
 def make_connector(args) -> KVConnector:
-    """The connector EngineArgs name (kv_connector; for tcp kv_connector_host / _port and the
-    shared secret read from kv_secret_file)."""
+    """The connector ``args`` (backend.config.DisaggConfig) names: kv_connector; for tcp
+    kv_connector_host / _port and the shared secret read from kv_secret_file."""
     if args.kv_connector == "shm":
         return SharedMemoryConnector()
     secret = load_secret(args.kv_secret_file) if args.kv_secret_file else None

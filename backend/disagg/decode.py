@@ -179,7 +179,7 @@ class DecodeRole:
             self.stats.rejected += 1
             err = exc if isinstance(exc, EngineError) else internal(f"bad hand-over: {exc}")
             return [_final(rec, "error", err)]
-        if len(sched.running) + len(self.placing) + 1 > eng.args.max_num_seqs:
+        if len(sched.running) + len(self.placing) + 1 > eng.config.max_num_seqs:
             return None
         now = time.monotonic()
         ends = [d for d in (deadline, None if rec.deadline_in is None else now + rec.deadline_in) if d is not None]

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from backend.config import EngineArgs
+from backend.config import EngineConfig, LoRAConfig
 from backend.context import context_window
 from backend.engine.admission import EngineLimits, check_queue, duplicate_id, validate_request
 from backend.engine.batch import build_batch
@@ -40,15 +40,16 @@ from backend.spec.verify import verify
 
 
 class LLMEngine:
-    def __init__(self, model_dir: Any, args: EngineArgs | None = None, *, runner: Any = None,
-                 tokenizer: Any = None, kv_cache: Any = None):
-        """``runner`` / ``tokenizer`` / ``kv_cache`` replace the real ones (tests)."""
-        self.args = args = args or EngineArgs()
+    def __init__(self, model_dir: Any, config: EngineConfig | None = None, *, lora: LoRAConfig | None = None,
+                 runner: Any = None, tokenizer: Any = None, kv_cache: Any = None):
+        """``config``: the engine part of the options (backend/config.py); ``lora``: adapter slots
+        (None: LoRA off). ``runner`` / ``tokenizer`` / ``kv_cache`` replace the real ones (tests)."""
+        self.config = args = config or EngineConfig()
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
         if runner is None:
             from backend.model.runner import ModelRunner
-            runner = ModelRunner(str(model_dir), args)
+            runner = ModelRunner(str(model_dir), args, lora)
         self.runner = runner
         if tokenizer is None and model_dir is not None:
             from transformers import PreTrainedTokenizerFast

@@ -69,10 +69,10 @@ KV_CACHE_DTYPES = {"fp16": torch.float16, "float16": torch.float16, "bf16": torc
 
 
 def kv_cache_torch_dtype(args) -> torch.dtype:
-    """The KV pool's element type for engine options ``args``: ``kv_cache_dtype`` ``auto`` = the
+    """The KV pool's element type for ``args`` (backend.config.EngineConfig): ``kv_cache_dtype`` ``auto`` = the
     model's dtype, ``fp16`` / ``bf16`` (also spelled ``float16`` / ``bfloat16``) a half-size cache
     whatever the model's dtype (attention math stays fp32 on the CPU paths). The name was checked
-    by ``EngineArgs``."""
+    by ``EngineConfig``."""
     name = args.kv_cache_dtype
     return parse_dtype(args.dtype, args.device) if name == "auto" else KV_CACHE_DTYPES[name]
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from backend.config import EngineArgs
+from backend.config import EngineConfig, LoRAConfig
 from backend.context import model_max_len, num_kv_blocks
 from backend.kv_cache.storage import KVCacheStorage
 from backend.lora.registry import make_lora_registry
@@ -53,9 +53,10 @@ class ModelInfo:
 
 
 class ModelRunner:
-    def __init__(self, model_dir: str, args: EngineArgs):
+    def __init__(self, model_dir: str, args: EngineConfig, lora: LoRAConfig | None = None):
         """Load config + weights (any HF Llama/Mistral/Qwen2 directory), pick the attention backend,
-        size and allocate the KV pool (``self.storage``: KVCacheStorage, ``self.num_blocks``)."""
+        size and allocate the KV pool (``self.storage``: KVCacheStorage, ``self.num_blocks``);
+        with ``lora.max_loras`` the LoRA registry (``self.loras``)."""
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
         self.args = args
@@ -95,7 +96,7 @@ class ModelRunner:
         # every step takes the torch path.
         self.fused = make_fused_decoder(self.model, self.kv_caches, args.block_size, self.attention)
         self.pooling = PoolingConfig.from_model_dir(model_dir)     # embedding requests' pooling
-        self.loras = make_lora_registry(cfg, args, self.dtype, self.device)   # None: LoRA off
+        self.loras = make_lora_registry(cfg, lora or LoRAConfig(), self.dtype, self.device)   # None: LoRA off
 
     info: ModelInfo
     num_blocks: int

@@ -219,7 +219,8 @@ class DecodeLoop(EngineLoop):
 
 
 def build_role(engine, args) -> tuple[Any, type[EngineLoop]]:
-    """(the engine as EngineLoop should see it, the loop class) for ``args.role``."""
+    """(the engine as EngineLoop should see it, the loop class) for ``args.role`` (``args``:
+    backend.config.DisaggConfig)."""
     connector = make_connector(args)
     if args.role == "prefill":
         return PrefillEngine(engine, connector, ttl=args.kv_staged_ttl_s), EngineLoop

@@ -102,30 +102,29 @@ class EngineService:
 def build_engine_service(model_dir: str, params: dict[str, str], *, metrics_factory: Any = None,
                          labels: dict[str, str] | None = None) -> EngineService:
     """Engine + loop + metrics + service from the engine model's config parameters."""
-    from dataclasses import fields
-
-    from backend.config import EngineArgs
+    from backend.config import EngineArgs, option_names
     from backend.engine.engine_loop import EngineLoop
+    from backend.engine.fairness import TenantFairness
     from backend.engine.llm_engine import LLMEngine
     from backend.serving.metrics import ServingMetrics
     from backend.serving.postprocess import Postprocessor
+    from common import env
 
-    known = {f.name for f in fields(EngineArgs)}
+    known = option_names()               # the rest are Triton's and the model's own parameters
     args = EngineArgs.from_dict({k: v for k, v in params.items() if k in known})
-    from backend.engine.fairness import TenantFairness
-
-    engine = LLMEngine(model_dir, args)
+    serving, tenancy = args.serving, args.tenancy
+    engine = LLMEngine(model_dir, args.engine, lora=args.lora)
     loop_cls = EngineLoop
-    if args.role != "unified":           # prefill / decode (backend/serving/disagg_engine.py)
+    if args.disagg.role != "unified":    # prefill / decode (backend/serving/disagg_engine.py)
         from backend.serving.disagg_engine import build_role
 
-        engine, loop_cls = build_role(engine, args)
-    fairness = TenantFairness(max_running_per_tenant=args.max_running_per_tenant, aging_s=args.priority_aging_s)
+        engine, loop_cls = build_role(engine, args.disagg)
+    fairness = TenantFairness(max_running_per_tenant=tenancy.max_running_per_tenant, aging_s=tenancy.priority_aging_s)
     max_open = 0
-    if args.max_running_per_tenant and args.max_waiting_per_tenant:
-        max_open = args.max_running_per_tenant + args.max_waiting_per_tenant
-    elif args.max_waiting_per_tenant:
-        max_open = args.max_num_seqs + args.max_waiting_per_tenant
+    if tenancy.max_running_per_tenant and tenancy.max_waiting_per_tenant:
+        max_open = tenancy.max_running_per_tenant + tenancy.max_waiting_per_tenant
+    elif tenancy.max_waiting_per_tenant:
+        max_open = args.engine.max_num_seqs + tenancy.max_waiting_per_tenant
     loop = loop_cls(engine, fairness=fairness if fairness.active else None, max_open_per_tenant=max_open)
     metrics = None
     if metrics_factory is not None:
@@ -134,19 +133,21 @@ def build_engine_service(model_dir: str, params: dict[str, str], *, metrics_fact
         registry = registry_of(loop)
         metrics = ServingMetrics(metrics_factory, stats=loop.stats, healthy=lambda: loop.healthy,
                                  labels=labels, adapters=None if registry is None else registry.counts)
-        if args.role != "unified":
+        if args.disagg.role != "unified":
             from backend.serving.disagg_metrics import RoleMetrics
 
             metrics.role_metrics = RoleMetrics(metrics_factory, engine, labels)
     service = EngineService(loop, max_model_len=engine.max_model_len, metrics=metrics,
-                            stream_interval=args.stream_interval, drain_timeout=args.shutdown_drain_s,
-                            busy_stream_interval=args.busy_stream_interval,
-                            busy_hold_steps=args.busy_hold_steps, busy_hold_max=args.busy_hold_max,
+                            stream_interval=serving.stream_interval, drain_timeout=serving.shutdown_drain_s,
+                            busy_stream_interval=serving.busy_stream_interval,
+                            busy_hold_steps=serving.busy_hold_steps, busy_hold_max=serving.busy_hold_max,
                             # the disaggregated roles check once a second: their router always
                             # sends the explicit abort to both servers (disagg_engine.py)
                             cancel_check_interval=getattr(engine, "cancel_check_interval", CANCEL_CHECK_INTERVAL),
-                            allow_client_salt=args.allow_client_salt, test_faults=args.test_faults,
+                            allow_client_salt=tenancy.allow_client_salt,
+                            # a test hook, not an option: fault-injection parameters only in tests
+                            test_faults=env.flag("TRITON_LLM_TEST_FAULTS"),
                             detokenizer=Postprocessor(model_dir))   # text in the engine (response_thread.py)
-    if args.drain_file:
-        service.watch_drain(args.drain_file)
+    if serving.drain_file:
+        service.watch_drain(serving.drain_file)
     return service

@@ -17,10 +17,9 @@ import json
 import pathlib
 import re
 import shutil
-from dataclasses import fields
 
 from backend import protocol as P
-from backend.config import EngineArgs
+from backend.config import EngineArgs, option_names
 from backend.context import context_window_for
 
 TEMPLATES = pathlib.Path(__file__).resolve().parents[2] / "model_repository"
@@ -67,7 +66,7 @@ def parse_engine_options(items: list[str] | dict[str, str] | None) -> dict[str, 
             if not sep or not key.strip():
                 raise ValueError(f"engine option {item!r} is not KEY=VALUE")
             opts[key.strip()] = value.strip()
-    known = {f.name for f in fields(EngineArgs)}
+    known = option_names()
     for key in opts:
         if key not in known:
             raise ValueError(f"unknown engine option {key!r}; known: {', '.join(sorted(known))}")
@@ -81,7 +80,7 @@ def parse_engine_options(items: list[str] | dict[str, str] | None) -> dict[str, 
 def engine_args(src: pathlib.Path, engine_options: dict[str, str]) -> EngineArgs:
     """The EngineArgs the generated engine model will run with: its template's values + options."""
     declared = declared_parameters((src / P.ENGINE / "config.pbtxt").read_text())
-    known = {f.name for f in fields(EngineArgs)}
+    known = option_names()
     return EngineArgs.from_dict({**{k: v for k, v in declared.items() if k in known}, **engine_options})
 
 
@@ -108,7 +107,7 @@ def generate_repository(dst: pathlib.Path, model_dir: str | pathlib.Path, *,
         if P.MODEL_DIR in declared_parameters(cfg):
             cfg = set_parameter(cfg, P.MODEL_DIR, str(pathlib.Path(model_dir).resolve()))
         if P.CONTEXT_WINDOW in declared_parameters(cfg):
-            window = context_window_for(model_dir, engine_args(src, engine_options))
+            window = context_window_for(model_dir, engine_args(src, engine_options).engine)
             cfg = set_parameter(cfg, P.CONTEXT_WINDOW, str(window))
         if name == P.ENGINE:
             for key, value in engine_options.items():
@@ -118,7 +117,7 @@ def generate_repository(dst: pathlib.Path, model_dir: str | pathlib.Path, *,
                     raise ValueError(f"engine option {key!r} is not declared in {src / name / 'config.pbtxt'}") from None
             if P.WEIGHT_BYTES in declared_parameters(cfg):     # what the weights are, for /v1/models
                 from backend.quant.plan import reported_parameters
-                for key, value in reported_parameters(model_dir, engine_args(src, engine_options)).items():
+                for key, value in reported_parameters(model_dir, engine_args(src, engine_options).engine).items():
                     cfg = set_parameter(cfg, key, value)
         if instances and name in instances:
             cfg = set_instance_count(cfg, instances[name])

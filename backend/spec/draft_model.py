@@ -45,10 +45,10 @@ class DraftModelProposer(Proposer):
         from backend.kv_cache.manager import KVCacheManager
         from backend.model.runner import ModelRunner
 
-        # No LoRA adapters on the draft: they belong to the target (which verifies with them).
+        # ``args``: the target's EngineConfig. No LoRAConfig for the draft's runner: adapters belong
+        # to the target (which verifies with them).
         draft_args = dataclasses.replace(args, num_kv_blocks=num_blocks, enable_prefix_caching=False,
-                                         host_tier_blocks=0, disk_tier_blocks=0, disk_tier_path=None,
-                                         max_loras=0, lora_modules=None)
+                                         host_tier_blocks=0, disk_tier_blocks=0, disk_tier_path=None)
         self.runner = ModelRunner(str(model_dir), draft_args)
         if self.runner.info.vocab_size != vocab_size:
             raise ValueError(f"draft model vocabulary ({self.runner.info.vocab_size}) differs from the "

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import threading
-from dataclasses import asdict
 
 import pytest
 from transformers import AutoTokenizer
@@ -35,7 +34,7 @@ def tokenizer(triton_server):
 @pytest.fixture(scope="session")
 def offline(triton_server, tokenizer):
     """Offline greedy results for PROMPTS and CHAT (the reference every server path must match)."""
-    llm = LLM(str(triton_server.model_dir), **asdict(EngineArgs.from_dict(E2E_ENGINE_OPTIONS)))
+    llm = LLM(str(triton_server.model_dir), **EngineArgs.from_dict(E2E_ENGINE_OPTIONS).options())
     chat_ids = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, return_dict=False)
     outs = llm.generate(PROMPTS + [list(chat_ids)], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
     return {"prompts": outs[:-1], "chat": outs[-1], "chat_ids": list(chat_ids), "llm": llm}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from backend.config import EngineArgs
+from backend.config import EngineConfig
 from backend.context import context_window_for
 from tests.conftest import REAL_CONTEXT_WINDOW
 from tests.e2e.shim_fixtures import KEY, start_shim, stop_shim
@@ -108,4 +108,4 @@ def test_context_window_is_the_config_clamped_to_the_kv_pool(sdk, real_model_dir
 
     card = sdk.models.retrieve(SERVED)
     assert card.model_extra["max_model_len"] == REAL_CONTEXT_WINDOW
-    assert context_window_for(real_model_dir, EngineArgs(kv_cache_memory=SERVE_KV_CACHE_MEMORY)) == 8192
+    assert context_window_for(real_model_dir, EngineConfig(kv_cache_memory=SERVE_KV_CACHE_MEMORY)) == 8192

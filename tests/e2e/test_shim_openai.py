@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import asdict
 
 import httpx
 import pytest
@@ -27,7 +26,7 @@ def offline(triton_server):
     """The backend's offline LLM on the served checkpoint and engine options: the reference."""
     from backend.llm import LLM
 
-    return LLM(str(triton_server.model_dir), **asdict(EngineArgs.from_dict(E2E_ENGINE_OPTIONS)))
+    return LLM(str(triton_server.model_dir), **EngineArgs.from_dict(E2E_ENGINE_OPTIONS).options())
 
 
 def offline_chat(llm, messages, **params):

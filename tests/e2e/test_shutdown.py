@@ -142,8 +142,7 @@ def test_streams_open_at_the_drain_deadline_are_cut_then_all_stops(tmp_path, rea
 
 
 def test_engine_death_turns_readiness_false_and_ends_open_streams(tmp_path):
-    serve = Serve(tmp_path / "serve", shim=True, env={"TRITON_LLM_TEST_FAULTS": "1"},
-                  options=["test_faults=true"])
+    serve = Serve(tmp_path / "serve", shim=True, env={"TRITON_LLM_TEST_FAULTS": "1"})
     try:
         base = f"http://127.0.0.1:{serve.shim}"
         assert httpx.get(f"{base}/ready").status_code == 200

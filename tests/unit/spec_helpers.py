@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from backend.config import EngineArgs
+from backend.config import EngineConfig
 from backend.engine.llm_engine import LLMEngine
 from backend.model.runner import ModelInfo
 from backend.spec.config import SpeculativeConfig
@@ -55,7 +55,7 @@ class DistributionProposer(Proposer):
 
 def markov_engine(table: torch.Tensor, proposer: Proposer | None = None, k: int = 3, **args) -> LLMEngine:
     args = {"max_num_seqs": 512, "max_num_batched_tokens": 8192, "block_size": 4, "max_waiting": 100000, **args}
-    engine = LLMEngine(None, EngineArgs(**args), runner=MarkovRunner(table))
+    engine = LLMEngine(None, EngineConfig(**args), runner=MarkovRunner(table))
     if proposer is not None:
         cfg = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": k,
                                        "disable_by_batch_size": 1 << 30, "min_accepted_tokens": 0})

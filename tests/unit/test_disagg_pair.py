@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from backend.config import EngineArgs
+from backend.config import EngineConfig
 from backend.disagg.connector import TransferError
 from backend.disagg.pair import DisaggPair
 from backend.disagg.shm import SharedMemoryConnector
@@ -36,7 +36,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=10, min_tokens=10)
 
 def engine(**kw) -> LLMEngine:
     kw.setdefault("num_kv_blocks", 64)
-    return LLMEngine(model_dir("tiny"), EngineArgs(num_threads=1, **kw))
+    return LLMEngine(model_dir("tiny"), EngineConfig(num_threads=1, **kw))
 
 
 def run(target, reqs: list[tuple[list[int], SamplingParams]], max_steps: int = 500) -> dict[str, list]:

@@ -32,7 +32,7 @@ def loops():
     built = {}
     for role in ("prefill", "decode"):
         args = _args(role)
-        engine, loop_cls = build_role(LLMEngine(model_dir("tiny"), args), args)
+        engine, loop_cls = build_role(LLMEngine(model_dir("tiny"), args.engine), args.disagg)
         built[role] = loop_cls(engine)
     yield built
     for loop in built.values():
@@ -50,7 +50,7 @@ def _drain(q: queue.Queue, timeout: float = 60.0) -> list:
 
 
 def _unified_tokens(prompt: list[int] = PROMPT) -> list[int]:
-    eng = LLMEngine(model_dir("tiny"), _args("unified"))
+    eng = LLMEngine(model_dir("tiny"), _args("unified").engine)
     eng.add_request("u", prompt, PARAMS)
     toks = []
     while eng.has_unfinished():

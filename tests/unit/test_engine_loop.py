@@ -8,7 +8,7 @@ import time
 import pytest
 
 from backend import SamplingParams
-from backend.config import EngineArgs
+from backend.config import EngineConfig
 from backend.engine import LLMEngine
 from backend.engine.engine_loop import EngineLoop
 from backend.errors import EngineError, ErrorKind
@@ -19,7 +19,7 @@ P = list(range(100, 130))
 
 def make_loop(**kw):
     kw.setdefault("num_kv_blocks", 64)
-    return EngineLoop(LLMEngine(model_dir("tiny"), EngineArgs(num_threads=1, **kw)))
+    return EngineLoop(LLMEngine(model_dir("tiny"), EngineConfig(num_threads=1, **kw)))
 
 
 def collect(q: queue.Queue, n_final: int = 1, timeout: float = 30.0) -> list:
@@ -214,7 +214,7 @@ def test_idle_audit_stops_a_loop_whose_allocator_broke():
 def _fair_loop(max_running=2, max_waiting=0, aging_s=0.0, **kw):
     from backend.engine.fairness import TenantFairness
 
-    engine = LLMEngine(model_dir("tiny"), EngineArgs(num_threads=1, num_kv_blocks=128, max_num_seqs=4, **kw))
+    engine = LLMEngine(model_dir("tiny"), EngineConfig(num_threads=1, num_kv_blocks=128, max_num_seqs=4, **kw))
     fair = TenantFairness(max_running_per_tenant=max_running, aging_s=aging_s)
     max_open = max_running + max_waiting if max_waiting else 0
     return EngineLoop(engine, fairness=fair, max_open_per_tenant=max_open)

@@ -6,7 +6,7 @@ import time
 import pytest
 
 from backend import SamplingParams
-from backend.config import EngineArgs
+from backend.config import EngineConfig
 from backend.engine import LLMEngine
 from backend.errors import EngineError, ErrorKind
 from tests.conftest import model_dir
@@ -16,7 +16,7 @@ P = list(range(100, 140))
 
 def engine(**kw):
     kw.setdefault("num_kv_blocks", 64)
-    return LLMEngine(model_dir("tiny"), EngineArgs(num_threads=1, **kw))
+    return LLMEngine(model_dir("tiny"), EngineConfig(num_threads=1, **kw))
 
 
 def drain(eng):

@@ -18,9 +18,9 @@ def _args(role: str) -> EngineArgs:
 
 @pytest.fixture(scope="module")
 def loops():
-    built = {"unified": EngineLoop(LLMEngine(model_dir("tiny"), _args("unified")))}
+    built = {"unified": EngineLoop(LLMEngine(model_dir("tiny"), _args("unified").engine))}
     for role in ("prefill", "decode"):
-        engine, loop_cls = build_role(LLMEngine(model_dir("tiny"), _args(role)), _args(role))
+        engine, loop_cls = build_role(LLMEngine(model_dir("tiny"), _args(role).engine), _args(role).disagg)
         built[role] = loop_cls(engine)
     yield built
     for role, loop in built.items():

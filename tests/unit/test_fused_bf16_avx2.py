@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from backend.config import EngineArgs
+from backend.config import EngineConfig
 from backend.model.batch_builder import SeqChunk, build_batch
 from backend.model.fused_decode import FusedDecoder
 from backend.model.runner import ModelRunner
@@ -121,7 +121,7 @@ def test_avx2_only_build_serves_bf16_through_the_avx2_kernels(avx2_only_lib):
                 ids="-".join)
 def arunner(request, lib) -> ModelRunner:
     preset, variant = request.param
-    r = ModelRunner(str(model_dir(preset)), EngineArgs(block_size=BLOCK, num_kv_blocks=NUM_BLOCKS,
+    r = ModelRunner(str(model_dir(preset)), EngineConfig(block_size=BLOCK, num_kv_blocks=NUM_BLOCKS,
                                                        num_threads=1, dtype="bfloat16"))
     assert r.fused is not None and r.fused.bf16, "AVX2 + FMA: bf16 models take the fused step"
     step_lib = request.getfixturevalue("avx2_only_lib") if variant == "x86-64-v3" else lib

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend.config import EngineArgs
+from backend.config import EngineArgs, EngineConfig
 from backend.disagg.pair import DisaggPair
 from backend.disagg.shm import SharedMemoryConnector
 from backend.engine.llm_engine import LLMEngine
@@ -111,13 +111,13 @@ def test_store_converts_into_a_half_cache(dtype):
 
 
 def test_option_values_and_pool():
-    assert kv_cache_torch_dtype(EngineArgs()) == torch.float32
-    assert kv_cache_torch_dtype(EngineArgs(dtype="bfloat16")) == torch.bfloat16
-    assert kv_cache_torch_dtype(EngineArgs(kv_cache_dtype="fp16")) == torch.float16
-    assert kv_cache_torch_dtype(EngineArgs(kv_cache_dtype="bfloat16")) == torch.bfloat16
+    assert kv_cache_torch_dtype(EngineConfig()) == torch.float32
+    assert kv_cache_torch_dtype(EngineConfig(dtype="bfloat16")) == torch.bfloat16
+    assert kv_cache_torch_dtype(EngineConfig(kv_cache_dtype="fp16")) == torch.float16
+    assert kv_cache_torch_dtype(EngineConfig(kv_cache_dtype="bfloat16")) == torch.bfloat16
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineArgs(kv_cache_dtype="fp8")
-    assert EngineArgs.from_dict({"kv_cache_dtype": "bf16"}).kv_cache_dtype == "bf16"
+    assert EngineArgs.from_dict({"kv_cache_dtype": "bf16"}).engine.kv_cache_dtype == "bf16"
 
 
 def test_a_half_pool_holds_twice_the_blocks_of_the_same_budget():
@@ -125,10 +125,10 @@ def test_a_half_pool_holds_twice_the_blocks_of_the_same_budget():
     from backend.model.config import load_model_config
 
     cfg = load_model_config(model_dir("tiny"))
-    fp32 = num_kv_blocks(cfg, EngineArgs(kv_cache_memory=1 << 24))
+    fp32 = num_kv_blocks(cfg, EngineConfig(kv_cache_memory=1 << 24))
     for kv in ("fp16", "bf16"):
-        assert num_kv_blocks(cfg, EngineArgs(kv_cache_memory=1 << 24, kv_cache_dtype=kv)) == 2 * fp32
-        assert LLMEngine(model_dir("tiny"), EngineArgs(num_threads=1, kv_cache_memory=1 << 24,
+        assert num_kv_blocks(cfg, EngineConfig(kv_cache_memory=1 << 24, kv_cache_dtype=kv)) == 2 * fp32
+        assert LLMEngine(model_dir("tiny"), EngineConfig(num_threads=1, kv_cache_memory=1 << 24,
                                                        kv_cache_dtype=kv)).kv.num_blocks == 2 * fp32
 
 
@@ -155,7 +155,7 @@ def run(target, reqs) -> dict[str, list[int]]:
 
 def engine(kv: str, **kw) -> LLMEngine:
     kw.setdefault("num_kv_blocks", 64)
-    return LLMEngine(model_dir("tiny"), EngineArgs(num_threads=1, kv_cache_dtype=kv, **kw))
+    return LLMEngine(model_dir("tiny"), EngineConfig(num_threads=1, kv_cache_dtype=kv, **kw))
 
 
 @pytest.mark.parametrize("kv", ["fp16", "bf16"])

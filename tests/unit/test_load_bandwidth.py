@@ -16,13 +16,13 @@ def test_probe_reads_the_buffer():
 
 
 def test_weights_per_decode_token():
-    from backend.config import EngineArgs
+    from backend.config import EngineConfig
     from backend.model.runner import ModelRunner
 
     for preset in ("tiny", "tiny-qwen2"):
         path = model_dir(preset)
         tied = json.loads((path / "config.json").read_text()).get("tie_word_embeddings", False)
-        model = ModelRunner(str(path), EngineArgs(block_size=4, num_kv_blocks=8)).model
+        model = ModelRunner(str(path), EngineConfig(block_size=4, num_kv_blocks=8)).model
         linears = sum(m.weight.numel() for m in model.modules() if m.__class__.__name__.endswith("Linear"))
         head = model.lm_head_weight().numel()
         assert (preset == "tiny") == tied                      # both layouts are covered

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from backend import LLM, SamplingParams
-from backend.config import EngineArgs
+from backend.config import EngineConfig, LoRAConfig
 from backend.lora.batch import LoRABatch
 from backend.lora.fused import rows_done
 from backend.model.batch_builder import SeqChunk, build_batch
@@ -32,8 +32,8 @@ def adapters(tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runner(tiny_model, adapters):
-    r = ModelRunner(str(tiny_model), EngineArgs(block_size=BLOCK, num_kv_blocks=NUM_BLOCKS, num_threads=1,
-                                                max_loras=3, lora_modules=adapters))
+    r = ModelRunner(str(tiny_model), EngineConfig(block_size=BLOCK, num_kv_blocks=NUM_BLOCKS, num_threads=1),
+                    LoRAConfig(max_loras=3, lora_modules=adapters))
     assert r.fused is not None
     return r
 

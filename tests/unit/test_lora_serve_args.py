@@ -18,7 +18,7 @@ def test_lora_args_to_engine_options(tmp_path):
     assert loras == {"a": str(tmp_path / "a"), "b": str(tmp_path / "b")}
     opts = lora_engine_options(loras, ["num_threads=1"])
     parsed = EngineArgs.from_dict(dict(o.split("=", 1) for o in opts))
-    assert parsed.max_loras == 2 and json.loads(parsed.lora_modules) == loras
+    assert parsed.lora.max_loras == 2 and json.loads(parsed.lora.lora_modules) == loras
     assert "max_loras=1" in lora_engine_options(loras, ["max_loras=1"]) and \
         "max_loras=2" not in lora_engine_options(loras, ["max_loras=1"])
     assert lora_engine_options({}, ["x=1"]) == ["x=1"]

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from backend.config import EngineArgs
+from backend.config import EngineConfig
 from backend.kv_cache.storage import KVCacheStorage
 from backend.model.batch_builder import SeqChunk, build_batch
 from backend.model.config import parse_model_config
@@ -45,7 +45,7 @@ def to_v4(cfg: dict, scaling: dict | None = None) -> None:
 def logits_vs_hf(path, n_tokens: int = 40, **args) -> tuple[torch.Tensor, torch.Tensor]:
     from transformers import AutoModelForCausalLM
 
-    runner = ModelRunner(str(path), EngineArgs(block_size=8, num_kv_blocks=16, **args))
+    runner = ModelRunner(str(path), EngineConfig(block_size=8, num_kv_blocks=16, **args))
     rng = random.Random(2)
     ids = [rng.randrange(runner.info.vocab_size) for _ in range(n_tokens)]
     table = random.Random(3).sample(range(16), -(-n_tokens // 8))
@@ -97,7 +97,7 @@ def test_v4_layout_checkpoint_matches_hf(tmp_path):
     path = copy_with_config(model_dir("tiny"), tmp_path / "v4", to_v4)
     assert "rope_parameters" not in json.loads((path / "config.json").read_text())
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 5}))
-    assert ModelRunner(str(path), EngineArgs(num_kv_blocks=2)).info.eos_token_ids == [5, 2]
+    assert ModelRunner(str(path), EngineConfig(num_kv_blocks=2)).info.eos_token_ids == [5, 2]
     ours, ref = logits_vs_hf(path)
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
 
@@ -110,7 +110,7 @@ def test_mistral_checkpoint_matches_hf(tmp_path):
     path = copy_with_config(model_dir("tiny"), tmp_path / "mistral", edit)
     ours, ref = logits_vs_hf(path)
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
-    assert ModelRunner(str(path), EngineArgs(num_kv_blocks=2)).info.max_model_len == 512
+    assert ModelRunner(str(path), EngineConfig(num_kv_blocks=2)).info.max_model_len == 512
 
 
 @pytest.mark.parametrize("layout", ["v4", "v5"])
@@ -141,7 +141,7 @@ def test_sharded_checkpoint_loads_identically(tmp_path):
     (dst / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {}, "weight_map": {n: f for f, part in halves.items() for n in part}}))
 
-    a, b = (ModelRunner(str(p), EngineArgs(num_kv_blocks=4)) for p in (src, dst))
+    a, b = (ModelRunner(str(p), EngineConfig(num_kv_blocks=4)) for p in (src, dst))
     for (na, pa), (nb, pb) in zip(a.model.named_parameters(), b.model.named_parameters()):
         assert na == nb and torch.equal(pa, pb)
 
@@ -150,11 +150,11 @@ def test_runner_sizing_and_info():
     path = model_dir("tiny")
     per_block = KVCacheStorage.bytes_per_block(num_layers=4, block_size=16, num_kv_heads=2, head_dim=64,
                                                dtype=torch.bfloat16)
-    r = ModelRunner(str(path), EngineArgs(kv_cache_memory=10 * per_block + 1, dtype="bfloat16", max_model_len=512))
+    r = ModelRunner(str(path), EngineConfig(kv_cache_memory=10 * per_block + 1, dtype="bfloat16", max_model_len=512))
     assert r.num_blocks == 10 and r.storage.k_cache(0).shape == (10, 16, 2, 64)
     assert (r.info.model_type, r.info.num_layers, r.info.num_kv_heads, r.info.head_dim) == ("llama", 4, 2, 64)
     assert r.info.max_model_len == 512 and r.info.eos_token_ids == [2, 0]
-    assert ModelRunner(str(path), EngineArgs(num_kv_blocks=3)).info.max_model_len == 1024
+    assert ModelRunner(str(path), EngineConfig(num_kv_blocks=3)).info.max_model_len == 1024
 
 
 @pytest.mark.parametrize("args, match", [(dict(dtype="float64"), "dtype"),
@@ -162,4 +162,4 @@ def test_runner_sizing_and_info():
                                          (dict(max_model_len=4096), "max_position_embeddings")])
 def test_runner_rejects_bad_options(args, match):
     with pytest.raises(ValueError, match=match):
-        ModelRunner(str(model_dir("tiny")), EngineArgs(num_kv_blocks=3, **args))
+        ModelRunner(str(model_dir("tiny")), EngineConfig(num_kv_blocks=3, **args))

@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from backend.config import EngineArgs
+from backend.config import EngineConfig
 from backend.model import fused_decode
 from backend.model.batch_builder import SeqChunk, build_batch
 from backend.model.runner import ModelRunner
@@ -34,7 +34,7 @@ def runner(request) -> ModelRunner:
     if decode_library() is None:
         pytest.skip("no C compiler: the fused decode step is unavailable")
     preset, kv_dtype = request.param
-    r = ModelRunner(str(model_dir(preset)), EngineArgs(block_size=BLOCK, num_kv_blocks=NUM_BLOCKS,
+    r = ModelRunner(str(model_dir(preset)), EngineConfig(block_size=BLOCK, num_kv_blocks=NUM_BLOCKS,
                                                        num_threads=1, kv_cache_dtype=kv_dtype))
     assert r.fused is not None
     assert r.storage.kv.dtype == {"auto": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[kv_dtype]
@@ -245,7 +245,7 @@ def test_switch_and_no_compiler_fall_back(monkeypatch):
     from kernels import cpu
 
     path = str(model_dir("tiny"))
-    args = EngineArgs(block_size=BLOCK, num_kv_blocks=NUM_BLOCKS, num_threads=1)
+    args = EngineConfig(block_size=BLOCK, num_kv_blocks=NUM_BLOCKS, num_threads=1)
     monkeypatch.setenv("TRITON_LLM_FUSED_DECODE", "0")
     assert ModelRunner(path, args).fused is None
     monkeypatch.delenv("TRITON_LLM_FUSED_DECODE")
@@ -294,7 +294,7 @@ def _bf16_lib():
 @pytest.fixture(scope="module", params=["tiny", "tiny-qwen2"])
 def brunner(request) -> ModelRunner:
     _bf16_lib()
-    r = ModelRunner(str(model_dir(request.param)), EngineArgs(block_size=BLOCK, num_kv_blocks=NUM_BLOCKS,
+    r = ModelRunner(str(model_dir(request.param)), EngineConfig(block_size=BLOCK, num_kv_blocks=NUM_BLOCKS,
                                                              num_threads=1, dtype="bfloat16"))
     assert r.fused is not None and r.fused.bf16 and r.storage.kv.dtype == torch.bfloat16
     return r
@@ -384,10 +384,10 @@ def test_bf16_models_without_bf16_kernels_stay_on_the_torch_path(monkeypatch):
         pytest.skip("no C compiler: the fused decode step is unavailable")
     monkeypatch.setattr(lib, "bf16_supported", lambda: 0)
     path = str(model_dir("tiny"))
-    assert ModelRunner(path, EngineArgs(block_size=BLOCK, num_kv_blocks=8, dtype="bfloat16")).fused is None
+    assert ModelRunner(path, EngineConfig(block_size=BLOCK, num_kv_blocks=8, dtype="bfloat16")).fused is None
     monkeypatch.undo()
     if lib.bf16_supported():
-        assert ModelRunner(path, EngineArgs(block_size=BLOCK, num_kv_blocks=8, dtype="bfloat16")).fused is not None
+        assert ModelRunner(path, EngineConfig(block_size=BLOCK, num_kv_blocks=8, dtype="bfloat16")).fused is not None
 
 
 # Weight-only quantized models (issue 16): the fused step calls the quant library's w8_gemm / w4_gemm
@@ -402,7 +402,7 @@ def qrunner(request) -> ModelRunner:
     if decode_library() is None:
         pytest.skip("no C compiler: the fused decode step is unavailable")
     preset, method, head = request.param
-    r = ModelRunner(str(model_dir(preset)), EngineArgs(block_size=BLOCK, num_kv_blocks=NUM_BLOCKS, num_threads=1,
+    r = ModelRunner(str(model_dir(preset)), EngineConfig(block_size=BLOCK, num_kv_blocks=NUM_BLOCKS, num_threads=1,
                                                        quantization=method, quant_lm_head=head))
     quant = [m for m in r.model.modules() if type(m).__name__ == "QuantLinear"]
     assert quant and all(m.method == method for m in quant)
@@ -437,7 +437,7 @@ def test_gguf_keep_quantized_model_is_fused(tmp_path, qtype):
         pytest.skip("no C compiler: the fused decode step is unavailable")
     write_gguf(model_dir("tiny-qwen2"), tmp_path / "m.gguf", qtype=qtype)
     import_gguf(tmp_path / "m.gguf", tmp_path / "packed", progress=None, keep_quantized=True)
-    r = ModelRunner(str(tmp_path / "packed"), EngineArgs(block_size=BLOCK, num_kv_blocks=NUM_BLOCKS, num_threads=1))
+    r = ModelRunner(str(tmp_path / "packed"), EngineConfig(block_size=BLOCK, num_kv_blocks=NUM_BLOCKS, num_threads=1))
     assert r.model.quantization["method"] == ("int8" if qtype == "Q8_0" else "int4")
     assert r.fused is not None
     test_fused_step_matches_torch_path(r, 3)
@@ -540,7 +540,7 @@ def test_huge_page_weights_give_the_same_fused_logits(monkeypatch):
     out = []
     for env in ("1", "0"):
         monkeypatch.setenv("TRITON_LLM_HUGE_PAGES", env)
-        r = ModelRunner(str(model_dir("tiny")), EngineArgs(block_size=BLOCK, num_kv_blocks=NUM_BLOCKS, num_threads=1))
+        r = ModelRunner(str(model_dir("tiny")), EngineConfig(block_size=BLOCK, num_kv_blocks=NUM_BLOCKS, num_threads=1))
         assert r.fused is not None
         seqs = prefill(r, [9, 14], seed=5)
         out.append(r.execute(build_batch([SeqChunk([t[-1]], len(t), tab) for t, tab in seqs], BLOCK)))

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from backend.config import EngineArgs
+from backend.config import EngineConfig
 from backend.model.batch_builder import SeqChunk, build_batch
 from backend.model.runner import ModelRunner
 from tests.conftest import model_dir
@@ -33,7 +33,7 @@ def hf_model(preset):
 
 
 def make_runner(path, **kw) -> ModelRunner:
-    return ModelRunner(str(path), EngineArgs(block_size=BLOCK, num_kv_blocks=NUM_BLOCKS, **kw))
+    return ModelRunner(str(path), EngineConfig(block_size=BLOCK, num_kv_blocks=NUM_BLOCKS, **kw))
 
 
 def hf_logits(hf, ids: list[int]) -> torch.Tensor:

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from backend.config import EngineArgs
+from backend.config import EngineConfig
 from backend.model.attention import TritonAttention
 from backend.model.batch_builder import SeqChunk, build_batch
 from backend.model.runner import ModelRunner
@@ -46,7 +46,7 @@ def test_triton_backend_matches_torch_backend(preset, request):
     if not run_interpreted_or_rerun(request.node.nodeid):
         return
     path = str(model_dir(preset))
-    runners = {b: ModelRunner(path, EngineArgs(block_size=4, num_kv_blocks=32, attention_backend=b))
+    runners = {b: ModelRunner(path, EngineConfig(block_size=4, num_kv_blocks=32, attention_backend=b))
                for b in ("torch", "triton")}
     assert isinstance(runners["triton"].attention, TritonAttention)
     rng = random.Random(0)

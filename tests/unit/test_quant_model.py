@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from backend.config import EngineArgs
+from backend.config import EngineArgs, EngineConfig
 from backend.model.batch_builder import SeqChunk, build_batch
 from backend.model.gguf_import import import_gguf
 from backend.model.runner import ModelRunner
@@ -26,7 +26,7 @@ def _logits(runner, ids=PROMPT):
 
 
 def _runner(path, **opts):
-    return ModelRunner(str(path), EngineArgs(num_kv_blocks=8, **opts))
+    return ModelRunner(str(path), EngineConfig(num_kv_blocks=8, **opts))
 
 
 def test_quantize_at_load_swaps_projections_and_stays_close():
@@ -65,7 +65,7 @@ def test_bad_quantization_options():
         EngineArgs(quantization="int3")
     with pytest.raises(ValueError, match="multiple of 32"):
         _runner(model_dir("tiny"), quantization="int4", quant_group_size=48)
-    assert EngineArgs.from_dict({"quantization": "int8", "quant_group_size": "64"}).quant_group_size == 64
+    assert EngineArgs.from_dict({"quantization": "int8", "quant_group_size": "64"}).engine.quant_group_size == 64
 
 
 @pytest.mark.parametrize("qtype,bits", [("Q8_0", 8), ("Q4_0", 4), ("Q4_1", 4)])

@@ -7,7 +7,7 @@ from dataclasses import fields
 import pytest
 
 from backend import protocol as P
-from backend.config import EngineArgs
+from backend.config import PARTS, EngineArgs, EngineConfig, option_names
 from backend.context import context_window_for
 from backend.errors import EngineError, ErrorKind
 from backend.serving.repository import (TEMPLATES, declared_parameters, generate_repository,
@@ -73,19 +73,45 @@ def test_fit_context():
 
 def test_context_window_is_clamped_by_the_kv_pool(tiny_model):
     cfg_len = 1024                                      # the tiny preset's max_position_embeddings
-    assert context_window_for(tiny_model, EngineArgs(num_kv_blocks=1000)) == cfg_len
-    assert context_window_for(tiny_model, EngineArgs(num_kv_blocks=10, block_size=16)) == 160
-    assert context_window_for(tiny_model, EngineArgs(num_kv_blocks=1000, max_model_len=300)) == 300
+    assert context_window_for(tiny_model, EngineConfig(num_kv_blocks=1000)) == cfg_len
+    assert context_window_for(tiny_model, EngineConfig(num_kv_blocks=10, block_size=16)) == 160
+    assert context_window_for(tiny_model, EngineConfig(num_kv_blocks=1000, max_model_len=300)) == 300
     with pytest.raises(ValueError, match="max_position_embeddings"):
-        context_window_for(tiny_model, EngineArgs(max_model_len=cfg_len + 1))
+        context_window_for(tiny_model, EngineConfig(max_model_len=cfg_len + 1))
 
 
-def test_every_engine_arg_is_a_config_parameter():
+def test_the_engine_config_declares_every_option_in_field_order_at_its_default():
+    """model_repository/engine/config.pbtxt lists every option of backend/config.py, part by part in
+    field order, each at its default as from_dict reads it; besides them only model_dir and the
+    weights parameters (a test hook such as fault injection is no option)."""
     declared = declared_parameters((TEMPLATES / "engine" / "config.pbtxt").read_text())
-    assert {f.name for f in fields(EngineArgs)} | {"model_dir", *P.WEIGHTS_PARAMS} == set(declared)
-    defaults = EngineArgs()
-    for f in fields(EngineArgs):                        # the template's values are the defaults
-        assert getattr(EngineArgs.from_dict({f.name: declared[f.name]}), f.name) == getattr(defaults, f.name)
+    names = option_names()
+    assert [k for k in declared if k in names] == list(names)
+    assert set(declared) - set(names) == {"model_dir", *P.WEIGHTS_PARAMS}
+    for part, cls in PARTS.items():
+        for f in fields(cls):
+            text = "" if f.default is None else str(f.default).lower() if isinstance(f.default, bool) else str(f.default)
+            assert declared[f.name] == text, f.name
+            assert getattr(getattr(EngineArgs.from_dict({f.name: text}), part), f.name) == f.default, f.name
+    assert EngineArgs.from_dict({k: declared[k] for k in names}) == EngineArgs()
+
+
+def test_flat_options_reach_their_part_and_bad_ones_are_named():
+    args = EngineArgs.from_dict({"block_size": "8", "role": "prefill", "max_loras": "2", "allow_client_salt": "on",
+                                 "busy_hold_max": "0.5", "num_kv_blocks": " 12 "})
+    assert (args.engine.block_size, args.engine.num_kv_blocks, args.disagg.role, args.lora.max_loras,
+            args.tenancy.allow_client_salt, args.serving.busy_hold_max) == (8, 12, "prefill", 2, True, 0.5)
+    assert EngineArgs(**args.options()) == args and EngineArgs(engine=args.engine).engine is args.engine
+    for bad, match in [({"block_size": "8.5"}, "block_size must be an integer"),
+                       ({"quant_lm_head": "maybe"}, "quant_lm_head must be one of"),
+                       ({"priority_aging_s": "soon"}, "priority_aging_s must be a number"),
+                       ({"test_faults": "true"}, "unknown engine option")]:
+        with pytest.raises(ValueError, match=match):
+            EngineArgs.from_dict(bad)
+    with pytest.raises(TypeError, match="unknown engine option"):
+        EngineArgs(blocksize=8)
+    with pytest.raises(TypeError, match="not both"):
+        EngineArgs(engine=args.engine, block_size=4)
 
 
 def test_generate_repository(tmp_path):
@@ -146,8 +172,8 @@ def test_engine_model_builds_the_disaggregated_roles():
 
 def test_engine_model_passes_the_busy_hold_options_to_its_response_thread():
     """busy_stream_interval, busy_hold_steps and busy_hold_max as the engine model's parameters
-    (strings, as Triton gives them) set its response thread's hold; left out, EngineArgs' defaults."""
-    from backend.config import EngineArgs
+    (strings, as Triton gives them) set its response thread's hold; left out, ServingConfig's defaults."""
+    from backend.config import ServingConfig
     from backend.serving.engine_service import build_engine_service
     from tests.conftest import model_dir
 
@@ -157,7 +183,7 @@ def test_engine_model_passes_the_busy_hold_options_to_its_response_thread():
     try:
         r = set_.responses.hold
         assert (r.busy_stream_interval, r.busy_hold_steps, r.busy_hold_max) == (0.08, 4.5, 0.6)
-        d, args = default.responses.hold, EngineArgs()
+        d, args = default.responses.hold, ServingConfig()
         assert (d.busy_stream_interval, d.busy_hold_steps, d.busy_hold_max) == \
             (args.busy_stream_interval, args.busy_hold_steps, args.busy_hold_max)
     finally:

@@ -624,9 +624,9 @@ def test_busy_hold_options_gather_five_steps_up_to_their_cap(clock):
     response (4.5 gaps: 0.495 s), steps of 0.17 s four (the 0.6 s cap), steps slower than the cap
     one by one; the last tokens go with the final. The engine options' defaults are the thread's
     (STEP_HOLD, the tests above); test_serving_config checks that the options reach the thread."""
-    from backend.config import EngineArgs
+    from backend.config import ServingConfig
     from backend.serving.response_thread import BUSY_HOLD_MAX, BUSY_HOLD_STEPS
-    args = EngineArgs()
+    args = ServingConfig()
     assert (args.busy_hold_steps, args.busy_hold_max) == (BUSY_HOLD_STEPS, BUSY_HOLD_MAX)
     assert STEP_HOLD == {"busy_hold_steps": BUSY_HOLD_STEPS, "busy_hold_max": BUSY_HOLD_MAX}
     five = {"busy_hold_steps": 4.5, "busy_hold_max": 0.6}

@@ -35,7 +35,7 @@ def test_config_in_vllm_spelling_from_dict_and_json():
 
 def test_engine_option_accepted_by_engine_args_and_serve():
     text = '{"method": "ngram", "num_speculative_tokens": 4}'
-    assert EngineArgs.from_dict({"speculative_config": text}).speculative_config == text
+    assert EngineArgs.from_dict({"speculative_config": text}).engine.speculative_config == text
     assert parse_engine_options([f"speculative_config={text}"]) == {"speculative_config": text}
     with pytest.raises(ValueError, match="method"):
         parse_engine_options(['speculative_config={"method": "x", "num_speculative_tokens": 1}'])

@@ -12,7 +12,7 @@ import pytest
 
 from backend.engine.engine_loop import EngineLoop
 from backend.engine.llm_engine import LLMEngine
-from backend.config import EngineArgs
+from backend.config import EngineConfig
 from backend.errors import EngineError
 from backend.sampling_params import InvalidSamplingParam, SamplingParams
 from backend.structured.cache import ByteLRU
@@ -160,7 +160,7 @@ def test_over_budget_is_a_400_naming_the_field_and_cached_grammars_do_not_wait(g
 def test_the_engine_keeps_stepping_while_a_grammar_compiles(grammars):
     """An unconstrained request runs to its end while the compile worker is held; the constrained
     one enters the engine only when its grammar is ready, and follows it."""
-    engine = LLMEngine(model_dir("tiny"), EngineArgs(num_threads=1))
+    engine = LLMEngine(model_dir("tiny"), EngineConfig(num_threads=1))
     engine.grammars.worker.close()
     engine.grammars = grammars                     # the fixture's worker, which the test holds
     loop = EngineLoop(engine)
