@@ -245,4 +245,6 @@ def load_decode(path: pathlib.Path):
         lib.amx_set(0)
     lib.linear_bf16_test.argtypes = [_P, _I, _I, _P, _P, _I, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     lib.linear_bf16_test.restype = ctypes.c_int
+    lib.linear_bf16_with.argtypes = [_P, _P, _I, _I, _P, _P, _I, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    lib.linear_bf16_with.restype = ctypes.c_int
     return lib

@@ -33,7 +33,9 @@ bf16: the torch path rounds every activation to bf16, this step only a linear's 
 agree to bf16's precision (~1 % of the logits' range, pinned at 3 %; against transformers in bf16 by
 tests/unit/test_model_dtype.py, docs/kernels.md's exactness contract).
 Linears of ``M >= TRITON_LLM_FUSED_GEMM_MIN_M`` rows (default :data:`GEMM_MIN_M`) call MKL's
-``sgemm_`` from torch's own library, where it is exported; smaller ones the C register tiles.
+``sgemm_`` from torch's own library, where it is exported; smaller ones the C register tiles. A bf16
+model's linears call MKL's ``cblas_gemm_bf16bf16f32`` (AMX where present) from the crossover M
+measured on this host at build (backend/model/bf16_gemm.py), the library's bf16 kernels below.
 Every output element is computed by one chunk of a parallel loop with explicit FMAs, so the thread
 count never changes the bits (tests/unit/test_model_fused_decode.py
 ``test_thread_count_and_pool_do_not_change_the_step``).
@@ -52,6 +54,7 @@ import pathlib
 
 import torch
 
+from backend.model import bf16_gemm
 from backend.lora.batch import LoRABatch
 from backend.lora.fused import CStep
 from backend.model.llama import Linear, LlamaForCausalLM
@@ -79,7 +82,8 @@ class _Model(ctypes.Structure):
                 + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
                 + [(n, _P) for n in ("embed", "norm", "lm_head", "cos", "sin", *_LAYER_FIELDS, "sgemm",
                                      "qw", "head_q", "w8", "w4")]
-                + [("kv_dtype", _I), ("embed_dtype", _I), ("bf16_avx2", _I)]
+                + [("kv_dtype", _I), ("embed_dtype", _I), ("bf16_avx2", _I), ("bgemm", _P), ("bgemm_min_m", _I),
+                   ("mkl_threads_local", _P)]
                 + [("lora", _P)])     # this step's LoRA groups (backend/lora/fused.py) or NULL
 _KV_DTYPE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}   # KV_F32 / KV_F16 / KV_BF16
 
@@ -148,10 +152,12 @@ def _bf16(t: torch.Tensor | None) -> bool:
 
 class FusedDecoder:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 block_size: int, lib, bf16_avx2: bool = False):
+                 block_size: int, lib, bf16_avx2: bool = False, bgemm_min_m: int | None = None):
         """``bf16_avx2``: a bf16 model's linears on the AVX2 kernels even where the CPU has
         AVX512-BF16 (tests and A/B tools pin that variant on such hosts; without AVX512-BF16 the
-        library uses them anyway)."""
+        library uses them anyway). ``bgemm_min_m``: a bf16 model's linears of at least this many
+        rows go to MKL's bf16 GEMM; None: the crossover measured on this host
+        (backend/model/bf16_gemm.py); tests pin it (1: MKL at every M, ``bf16_gemm.NEVER``: never)."""
         cfg, rot = model.cfg, model.rotary
         self._lib = lib
         self._keep = []           # ctypes pointer arrays the struct points into
@@ -199,17 +205,25 @@ class FusedDecoder:
             quant = dict(qw=ctypes.cast(self._qw, _P), w8=w8, w4=w4,
                          head_q=None if head_qw is None else ctypes.cast(ctypes.pointer(self._head_q), _P))
             self._quant_mods = [*projs, head]                 # keep their tensors alive with us
+        bgemm = bf16_gemm.mkl_symbols() if self.bf16 else None
         norm = f32(model.model.norm.weight)
         self._struct = _Model(
             num_layers=cfg.num_layers, hidden=cfg.hidden_size, num_heads=cfg.num_heads,
             num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, inter=cfg.intermediate_size,
             vocab=cfg.vocab_size, block_size=block_size, max_pos=rot.cos.shape[0],
             gemm_min_m=env.integer("TRITON_LLM_FUSED_GEMM_MIN_M", GEMM_MIN_M) if sgemm else 1 << 62,
+            bgemm=bgemm and bgemm[0], mkl_threads_local=bgemm and bgemm[1], bgemm_min_m=bf16_gemm.NEVER,
             eps=cfg.rms_norm_eps, scale=cfg.head_dim ** -0.5,
             embed=model.model.embed_tokens.data_ptr(), norm=norm.data_ptr(),
             lm_head=None if self.bf16 else model.lm_head_weight().data_ptr(), cos=rot.cos.data_ptr(),
             sin=rot.sin.data_ptr(), sgemm=sgemm, kv_dtype=_KV_DTYPE[kv_caches[0][0].dtype],
             embed_dtype=_KV_DTYPE[model.model.embed_tokens.dtype], bf16_avx2=int(bf16_avx2), **arrays, **quant)
+        if bgemm:                   # MKL's bf16 GEMM from the crossover measured on this host (or the caller's)
+            avx2 = bool(bf16_avx2 or not lib.bf16_dot_supported())
+            shapes = [tuple(p.weight.shape) for p in projs[:len(_PROJ)]]      # layer 0's four projections
+            self._struct.bgemm_min_m = (bf16_gemm.crossover(lib, self._struct, shapes, torch.get_num_threads(), avx2)
+                                        if bgemm_min_m is None else bgemm_min_m)
+        self.bgemm_min_m = self._struct.bgemm_min_m
         self._tensors = {**per_layer, "norm": [norm]}   # the pointers above stay valid while these live
         self._vocab, self._cfg = cfg.vocab_size, cfg
         self._scratch = torch.empty(0)

@@ -31,6 +31,13 @@ typedef void (*sgemm_fn)(const char *ta, const char *tb, const int *m, const int
                          const float *alpha, const float *a, const int *lda, const float *b,
                          const int *ldb, const float *beta, float *c, const int *ldc);
 
+/* MKL's cblas_gemm_bf16bf16f32 (exported by torch's libtorch_cpu.so): C = alpha op(A) op(B) + beta C
+ * with A, B bf16 and C fp32; MKL picks AMX, AVX512-BF16 or AVX2 code by CPU. CBLAS enums as ints. */
+typedef void (*bgemm_fn)(int layout, int transa, int transb, int m, int n, int k, float alpha,
+                         const uint16_t *a, int lda, const uint16_t *b, int ldb, float beta, float *c, int ldc);
+enum { CBLAS_ROW_MAJOR = 101, CBLAS_NO_TRANS = 111, CBLAS_TRANS = 112 };
+typedef int (*threads_local_fn)(int nt);     /* MKL_Set_Num_Threads_Local: returns the previous value */
+
 typedef void (*w8_fn)(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *w,
                       const uint16_t *scales, int64_t G, const float *bias, int64_t N, float *y,
                       int64_t ldy, int nthreads);
@@ -64,6 +71,9 @@ typedef struct {
     int64_t kv_dtype;               /* KV cache element (kv_cache_dtype): KV_F32, KV_F16 or KV_BF16 */
     int64_t embed_dtype;            /* KV_F32 (fp32 rows) or KV_BF16 (bf16 rows: a bf16 model) */
     int64_t bf16_avx2;              /* 1: bf16 linears on the AVX2 kernels even where VDPBF16PS runs */
+    bgemm_fn bgemm;                 /* NULL: this library's bf16 kernels for every M */
+    int64_t bgemm_min_m;            /* M at or above which bgemm (if set) runs the bf16 linears */
+    threads_local_fn mkl_threads_local;   /* NULL, or MKL's: its calls run on one thread each */
     const void *lora;               /* NULL, or this step's LoRA groups (lora_cpu.c's LoraStep) */
 } Model;
 enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };

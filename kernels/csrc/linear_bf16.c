@@ -2,7 +2,10 @@
  * model's own bf16 weight W [N, K], read in place. Inputs rounded to bf16 (RNE), products summed
  * in fp32. Where the CPU has AVX512-BF16: AMX tiles from AMX_MIN_M rows (amx_bf16.c), VDPBF16PS
  * register tiles below (here); else (or with the Model's bf16_avx2 flag) the AVX2 kernels of
- * bf16_avx2.c, with MKL sgemm on widened weights from gemm_min_m rows. */
+ * bf16_avx2.c, with MKL sgemm on widened weights from gemm_min_m rows. From bgemm_min_m rows
+ * (Model.bgemm set: MKL's cblas_gemm_bf16bf16f32, AMX where the CPU has it) MKL multiplies the
+ * same bf16-rounded inputs by W in place; the crossover is measured per host by
+ * backend/model/bf16_gemm.py. */
 #include "decode_cpu.h"
 
 /* VDPBF16PS tiles (AVX512-BF16) */
@@ -135,13 +138,44 @@ static int linear_bf16_blas(const Model *m, const float *xr, int64_t M, int64_t 
     return 0;
 }
 
+#define BGEMM_ROWS 256             /* weight rows per MKL call */
+
+typedef struct {
+    const Model *m; const uint16_t *xb; int64_t M, K; const uint16_t *W; const float *bias; int64_t N;
+    float *y; int acc; int64_t C;
+} BGemmJob;
+
+/* MKL's bf16 GEMM on weight rows [n0, n1), on this thread alone: the step's pool runs the slices
+ * (MKL's own OpenMP team would end each call in a barrier waiting for a core that the serving
+ * processes hold, the problem the pool solves, step_pool.c). */
+static void bgemm_chunk(void *p, int64_t c) {
+    const BGemmJob *j = p;
+    const int64_t M = j->M, N = j->N, n0 = c * BGEMM_ROWS, n1 = n0 + BGEMM_ROWS < N ? n0 + BGEMM_ROWS : N;
+    const int prev = j->m->mkl_threads_local ? j->m->mkl_threads_local(1) : 0;
+    j->m->bgemm(CBLAS_ROW_MAJOR, CBLAS_NO_TRANS, CBLAS_TRANS, (int)M, (int)(n1 - n0), (int)j->K, 1.f, j->xb,
+                (int)j->K, j->W + n0 * j->K, (int)j->K, j->acc ? 1.f : 0.f, j->y + n0, (int)N);
+    if (j->m->mkl_threads_local) j->m->mkl_threads_local(prev);
+    if (j->bias)
+        for (int64_t t = 0; t < M; t++)
+            for (int64_t n = n0; n < n1; n++) j->y[t * N + n] += j->bias[n];
+}
+
 /* y [M, N] (+)= bf16(x) [M, K] W^T + bias with W bf16 [N, K]; xb: bf16_input_elems(M, K) (>= 2 M K:
  * room for the AVX2 kernels' M K rounded fp32 inputs too). AVX512-BF16 (AMX from AMX_MIN_M rows)
  * unless avx2 is set or the CPU lacks it; then the AVX2 kernels (bf16_avx2.c), same contract: BLAS
- * on widened weights from m->gemm_min_m rows (m->sgemm set), register tiles below. */
+ * on widened weights from m->gemm_min_m rows (m->sgemm set), register tiles below. From
+ * m->bgemm_min_m rows (m->bgemm set) MKL's bf16 GEMM instead, whatever the kernel set. */
 void linear_bf16(const Model *m, const float *x, int64_t M, int64_t K, const uint16_t *W, const float *bias,
-                        int64_t N, float *y, int acc, uint16_t *xb, int nt, int avx2) {
+                 int64_t N, float *y, int acc, uint16_t *xb, int nt, int avx2) {
     const int T = linear_threads(nt, M, N, K);
+    if (m->bgemm && M >= m->bgemm_min_m && M < (1 << 30) && N < (1 << 30) && K < (1 << 30)) {
+        f32_to_half(x, xb, M * K, KV_BF16);             /* RNE, as torch's .to(bfloat16) */
+        /* Slices of BGEMM_ROWS weight rows whatever the thread count: each output is computed by
+         * the same MKL call on any number of threads, so the bits do not depend on it. */
+        BGemmJob j = {m, xb, M, K, W, bias, N, y, acc, (N + BGEMM_ROWS - 1) / BGEMM_ROWS};
+        par_for(T, j.C, bgemm_chunk, &j, 0);
+        return;
+    }
 #ifdef HAVE_BF16_DOT
     if (!avx2) {
         f32_to_half(x, xb, M * K, KV_BF16);             /* RNE, as torch's .to(bfloat16) */
@@ -164,15 +198,22 @@ void linear_bf16(const Model *m, const float *x, int64_t M, int64_t K, const uin
 /* 1: a bf16 model can take the fused step on this CPU (VDPBF16PS or AVX2 + FMA). */
 int bf16_supported(void) { return bf16_dot_supported() || bf16_avx2_supported(); }
 
-/* bf16 linear alone, for tests: y [M, N] (+)= bf16(x) W^T + bias; avx2: the AVX2 kernels even
- * where VDPBF16PS runs. -1 where the CPU has neither (or avx2 is asked without AVX2) or no memory. */
-int linear_bf16_test(const float *x, int64_t M, int64_t K, const uint16_t *W, const float *bias, int64_t N,
-                     float *y, int acc, int nt, int avx2) {
+/* bf16 linear alone, for tests and the crossover calibration: y [M, N] (+)= bf16(x) W^T + bias;
+ * avx2: the AVX2 kernels even where VDPBF16PS runs; cfg: a Model whose BLAS fields (sgemm,
+ * gemm_min_m, bgemm, bgemm_min_m, mkl_threads_local) are used, or NULL: this library's kernels
+ * only. -1 where the CPU has neither kernel set (or avx2 is asked without AVX2) or no memory. */
+int linear_bf16_with(const Model *cfg, const float *x, int64_t M, int64_t K, const uint16_t *W, const float *bias,
+                     int64_t N, float *y, int acc, int nt, int avx2) {
     if (avx2 ? !bf16_avx2_supported() : !bf16_supported()) return -1;
     uint16_t *xb = aligned_alloc(64, (sizeof(uint16_t) * (size_t)bf16_input_elems(M, K) + 63) & ~(size_t)63);
     if (!xb) return -1;
-    const Model m = {0};                                 /* no sgemm: the kernels of this library */
-    linear_bf16(&m, x, M, K, W, bias, N, y, acc, xb, nt, avx2 || !bf16_dot_supported());
+    const Model none = {0};
+    linear_bf16(cfg ? cfg : &none, x, M, K, W, bias, N, y, acc, xb, nt, avx2 || !bf16_dot_supported());
     free(xb);
     return 0;
+}
+
+int linear_bf16_test(const float *x, int64_t M, int64_t K, const uint16_t *W, const float *bias, int64_t N,
+                     float *y, int acc, int nt, int avx2) {
+    return linear_bf16_with(NULL, x, M, K, W, bias, N, y, acc, nt, avx2);
 }

@@ -32,15 +32,17 @@ def test_auto_dtype_cuda_and_this_machine(tmp_path):
         parse_dtype("fp8")
 
 
-@pytest.mark.parametrize("kernels", ["best", "avx2"])
+@pytest.mark.parametrize("kernels", ["best", "avx2", "mkl", "own"])
 @pytest.mark.parametrize("preset", ["tiny", "tiny-qwen2"])
 def test_bf16_matches_transformers_bf16(preset, kernels):
     """Prefill logits close to transformers' in bf16; on tiny, 8 greedy tokens equal to its generate.
     The bf16 fused step wherever the CPU has a bf16 kernel set (AVX512-BF16 or AVX2 + FMA: every
     x86-64 host since Haswell); "avx2" pins its AVX2 kernels (kernels/csrc/bf16_avx2.c) where the
-    CPU would pick VDPBF16PS / AMX."""
+    CPU would pick VDPBF16PS / AMX; "mkl" forces MKL's bf16 GEMM (backend/model/bf16_gemm.py) at every
+    M, "own" the library's kernels at every M (the measured crossover picks between the two)."""
     from transformers import AutoModelForCausalLM
 
+    from backend.model import bf16_gemm
     from backend.model.fused_decode import FusedDecoder
     from kernels.cpu import decode_library
 
@@ -55,6 +57,12 @@ def test_bf16_matches_transformers_bf16(preset, kernels):
         if lib is None or not lib.bf16_avx2_supported():
             pytest.skip("no AVX2 + FMA (or no C compiler): no AVX2 bf16 kernels")
         runner.fused = FusedDecoder(runner.model, runner.kv_caches, BLOCK, lib, bf16_avx2=True)
+    if kernels in ("mkl", "own"):
+        if lib is None or not lib.bf16_supported() or (kernels == "mkl" and bf16_gemm.mkl_symbols() is None):
+            pytest.skip("no bf16 kernel set (or no MKL bf16 GEMM in torch's library)")
+        runner.fused = FusedDecoder(runner.model, runner.kv_caches, BLOCK, lib,
+                                    bgemm_min_m=1 if kernels == "mkl" else bf16_gemm.NEVER)
+        assert runner.fused.bgemm_min_m == (1 if kernels == "mkl" else bf16_gemm.NEVER)
     seqs = prompts(runner.info.vocab_size, [9, 14], seed=3)
     blocks = Blocks(seed=4)
     tables = [blocks.take(len(s) + 8) for s in seqs]
