@@ -66,10 +66,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def serve_engine_options(options: list[str]) -> list[str]:
-    """The user's KEY=VALUE engine options plus serve's KV budget when they set none."""
-    if any(o.split("=", 1)[0].strip() in ("kv_cache_memory", "num_kv_blocks") for o in options):
-        return list(options)
-    return [*options, f"kv_cache_memory={SERVE_KV_CACHE_MEMORY}"]
+    """The user's KEY=VALUE engine options plus serve's KV budget when they set none, and
+    ``dtype=auto`` when they set neither a dtype nor a quantization: bf16 where the CPU has
+    AVX512-BF16 or AMX-BF16 (the bf16 fused step is the fastest path there), fp32 elsewhere
+    (backend/model/loader.py auto_dtype). int8 / int4 weights keep fp32 (their fused step runs
+    fp32 activations). The engine's own default stays fp32, the exactness oracle."""
+    keys = {o.split("=", 1)[0].strip() for o in options}
+    budget = [] if keys & {"kv_cache_memory", "num_kv_blocks"} else [f"kv_cache_memory={SERVE_KV_CACHE_MEMORY}"]
+    return [*options, *budget, *([] if keys & {"dtype", "quantization"} else ["dtype=auto"])]
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:

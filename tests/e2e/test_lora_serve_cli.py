@@ -25,6 +25,7 @@ def test_serve_lora(tmp_path):
     proc, _ = start_serve(["--model", str(tiny), "--http-port", str(free_port()), "--grpc-port", str(free_port()),
                            "--metrics-port", str(free_port()), "--shim-port", str(shim), "--workdir", str(workdir),
                            "--engine-option", "num_kv_blocks=64", "--engine-option", "num_threads=1",
+                           "--engine-option", "dtype=float32",           # the offline oracle's (serve: auto)
                            "--lora", f"ad={adapter}"], timeout=180)
     try:
         sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{shim}/v1", api_key="none", max_retries=0, timeout=120)

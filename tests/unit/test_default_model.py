@@ -70,5 +70,7 @@ def test_serve_gives_the_kv_pool_its_budget_unless_told_otherwise():
     from triton_llm.cli import SERVE_KV_CACHE_MEMORY, serve_engine_options
 
     assert serve_engine_options(["dtype=bfloat16"]) == ["dtype=bfloat16", f"kv_cache_memory={SERVE_KV_CACHE_MEMORY}"]
-    assert serve_engine_options(["num_kv_blocks=64"]) == ["num_kv_blocks=64"]
-    assert serve_engine_options(["kv_cache_memory=1000"]) == ["kv_cache_memory=1000"]
+    assert serve_engine_options(["num_kv_blocks=64", "dtype=float32"]) == ["num_kv_blocks=64", "dtype=float32"]
+    assert serve_engine_options(["kv_cache_memory=1000"]) == ["kv_cache_memory=1000", "dtype=auto"]   # serve's default
+    assert serve_engine_options([]) == [f"kv_cache_memory={SERVE_KV_CACHE_MEMORY}", "dtype=auto"]
+    assert serve_engine_options(["quantization=int8", "num_kv_blocks=8"]) == ["quantization=int8", "num_kv_blocks=8"]
