@@ -138,8 +138,8 @@ def encode(params: dict[str, Any] | None) -> dict[str, str | bool | int | float]
                                   "would never reach the model")
         if isinstance(value, (list, tuple, dict)):
             value = json.dumps(value)
-        elif hasattr(value, "item") and not isinstance(value, (str, bool, int, float)):
-            value = value.item()            # a numpy scalar
+        elif hasattr(value, "item") and type(value) not in (str, bool, int, float):
+            value = value.item()            # a numpy scalar (np.float64 too: a float subclass)
         if not isinstance(value, (str, bool, int, float)):
             raise ValueError(f"request parameter {key!r} has unsupported type {type(value).__name__}")
         if isinstance(value, int) and not isinstance(value, bool) and not INT64_MIN <= value <= INT64_MAX:

@@ -18,6 +18,7 @@ def test_what_the_client_writes_the_server_reads():
     wire = codec.encode(sent)
     assert all(isinstance(v, (str, bool, int, float)) for v in wire.values())
     assert "user" not in wire and wire["request_priority"] == 3 and wire["request_timeout"] == 1.5
+    assert [type(v) for v in codec.encode({"a": np.float64(0.5), "b": np.bool_(True)}).values()] == [float, bool]
     rp = codec.decode(wire)
     assert rp.sampling == {"n": 2, "max_tokens": 7, "temperature": 0.5, "stop": ["\n", "END"],
                            "stop_token_ids": [2], "ignore_eos": True, "seed": 2 ** 63 - 1}
