@@ -32,7 +32,7 @@ PATH = "/v1/messages"
 
 
 async def anthropic_key(request: Request) -> KeyPolicy:
-    """``x-api-key`` when sent, else the Bearer key (client/shim/auth.py)."""
+    """``x-api-key`` when sent, else the Bearer key (client/shim/tenants.py)."""
     keys = request.app.state.keys
     given = request.headers.get("x-api-key")
     if given is None or keys.open:

@@ -21,7 +21,6 @@ from client.errors import TritonLLMError
 from client.interface import LLMClient
 from client.shim.anthropic import AnthropicErrors
 from client.shim.anthropic import router as anthropic_router
-from client.shim.auth import KeyFirst, KeyStore
 from client.shim.embeddings import router as embeddings_router
 from client.shim.errors import from_llm_error, install_handlers
 from client.shim.format import Tally
@@ -32,7 +31,7 @@ from client.shim.response_store import ResponseStore
 from client.shim.responses import router as responses_router
 from client.shim.routes import router
 from client.shim.settings import ShimSettings, load_keys
-from client.shim.tenants import InFlight
+from client.shim.tenants import InFlight, KeyFirst, KeyStore
 
 log = logging.getLogger("triton_llm.shim")
 

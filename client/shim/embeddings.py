@@ -27,10 +27,9 @@ from backend import protocol as P
 from client.errors import TritonLLMError
 from client.interface import EmbeddingClient
 from client.shim import limits as L
-from client.shim.auth import authenticated
 from client.shim.errors import OpenAIError, from_llm_error, model_not_found
 from client.shim.generation import ClientDisconnected, until_disconnect
-from client.shim.tenants import KeyPolicy
+from client.shim.tenants import KeyPolicy, authenticated
 
 router = APIRouter()
 MAX_INPUTS = 2048              # OpenAI's limit on inputs in one request

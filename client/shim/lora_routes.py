@@ -14,10 +14,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from client.errors import TritonLLMError
 from client.lora_admin import lora_admin
-from client.shim.auth import authenticated
 from client.shim.errors import OpenAIError, from_llm_error, model_not_found
 from client.shim.lora import known
-from client.shim.tenants import KeyPolicy
+from client.shim.tenants import KeyPolicy, authenticated
 
 router = APIRouter()
 

@@ -12,7 +12,6 @@ from fastapi import APIRouter, Depends, Request
 
 from backend import timing
 from client.errors import TritonLLMError
-from client.shim.auth import authenticated
 from client.shim.errors import not_ready
 from client.shim.format import Tally
 from client.shim.generation import check_prompt, request_params, respond
@@ -20,7 +19,7 @@ from client.shim.lora import adapter_cards, adapter_for
 from client.shim.reasoning import parses_reasoning, with_reasoning
 from client.shim.schemas import ChatCompletionRequest, CompletionRequest
 from client.shim.settings import context_window_of
-from client.shim.tenants import KeyPolicy
+from client.shim.tenants import KeyPolicy, authenticated
 from client.shim.tools import ToolTally, parses_tool_calls
 
 log = logging.getLogger("triton_llm.shim")

@@ -18,9 +18,8 @@ from client.chat import mount_chat
 from client.chat.context import ContextBuilder, TokenCounter
 from client.chat.store import ChatStore, TenantQuota
 from client.chat.tokens import CountCache
-from client.shim.auth import KeyStore
 from client.shim.errors import install_handlers
-from client.shim.tenants import InFlight, parse_key_entry
+from client.shim.tenants import InFlight, KeyStore, parse_key_entry
 
 A = {"Authorization": "Bearer key-a"}
 B = {"Authorization": "Bearer key-b"}

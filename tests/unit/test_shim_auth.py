@@ -10,7 +10,7 @@ import pytest
 
 from client.fake_client import REPLY, FakeLLMClient
 from client.shim import ShimSettings, create_app
-from client.shim.auth import KeyStore
+from client.shim.tenants import KeyStore
 from client.shim.errors import OpenAIError
 from client.shim.settings import (build_parser, default_tenant, load_keys, parse_key_lines,
                                   settings_from_args)
@@ -29,7 +29,7 @@ def test_key_file_and_env(tmp_path, monkeypatch):
 
 
 def test_compare_checks_every_key(monkeypatch):
-    import client.shim.auth as auth
+    import client.shim.tenants as auth
 
     seen = []
     real = auth.hmac.compare_digest
