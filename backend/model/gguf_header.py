@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from common.param_codec import INT64_MAX
+
 
 class GGUFError(ValueError):
     """The file is not a GGUF this importer supports; the message says what and why."""
@@ -49,7 +51,6 @@ class Limits:
 
 LIMITS = Limits()
 VERSIONS = (2, 3)
-INT64_MAX = (1 << 63) - 1
 STRING, ARRAY = 8, 9
 # value type -> (struct / numpy little-endian format, size, name)
 SCALARS = {0: ("<u1", 1, "uint8"), 1: ("<i1", 1, "int8"), 2: ("<u2", 2, "uint16"), 3: ("<i2", 2, "int16"),

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+from common.param_codec import INT64_MAX, INT64_MIN
+
 POLICIES = ("truncate", "summarize")
 # Size caps: what one request may make the store keep (the shim's body limit bounds the request).
 MAX_TITLE_CHARS = 200
@@ -76,7 +78,7 @@ def validate_settings(fields: dict) -> dict:
             else:
                 numeric = (int, float) if kind is float else (int,)
                 ok = (isinstance(value, numeric) and not isinstance(value, bool)
-                      and -(2 ** 63) <= value < 2 ** 63 and value == value)
+                      and INT64_MIN <= value <= INT64_MAX and value == value)
             if not ok:
                 raise Invalid(f"params.{key} must be of type {kind.__name__}", "params")
         out["params"] = dict(params)
