@@ -17,6 +17,8 @@ from __future__ import annotations
 import contextvars
 import json
 
+from common.env import TRUE
+
 ALLOW_HEADER = b"x-allow-fallback"
 MODEL_HEADER = b"x-served-model"
 REASON_HEADER = b"x-fallback-reason"
@@ -30,9 +32,10 @@ def new_record(allow_fallback: bool = False) -> dict:
 
 
 def truthy(value: str | bytes | None) -> bool:
+    """A header's flag in common/env.py's dialect; anything else (absent, garbled) is false."""
     if isinstance(value, bytes):
         value = value.decode("latin-1")
-    return str(value or "").strip().lower() in ("1", "true", "yes", "on")
+    return str(value or "").strip().lower() in TRUE
 
 
 def _rename(obj, name: str):
