@@ -54,7 +54,7 @@ LORA = "lora"                       # a LoRA adapter's name (docs/lora.md); abse
 LORA_ADMIN = "lora_admin"           # a control request to the engine: JSON {"action": "load" | "unload",
                                     # "lora_name", "lora_path"} (backend/serving/lora_control.py)
 HANDOVER = "handover"               # a disaggregated continuation's record (docs/disaggregation.md)
-TEST_FAULT = "test_fault"           # tests only: engine option test_faults + TRITON_LLM_TEST_FAULTS=1
+TEST_FAULT = "test_fault"           # tests only: honoured with TRITON_LLM_TEST_FAULTS=1
 MAX_TENANT_CHARS = 256
 # Structured outputs (backend/structured/spec.py): JSON values as JSON text.
 RESPONSE_FORMAT = "response_format"       # OpenAI: {"type": "json_object" | "json_schema", ...}

@@ -58,7 +58,7 @@ def planned_summary(model_dir: str | pathlib.Path, *, dtype: torch.dtype, quanti
 
 def reported_parameters(model_dir: str | pathlib.Path, args) -> dict[str, str]:
     """The engine config's weights parameters (backend/protocol.py WEIGHTS_PARAMS) for a checkpoint
-    served with ``args`` (backend.config.EngineArgs)."""
+    served with ``args`` (backend.config.EngineConfig)."""
     dtype = parse_dtype(args.dtype, args.device)
     s = planned_summary(model_dir, dtype=dtype, quantization=args.quantization, group_size=args.quant_group_size,
                         lm_head=args.quant_lm_head)
