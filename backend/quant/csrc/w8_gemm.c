@@ -18,13 +18,15 @@ void w8_gemm_a16(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t
  * a16_min_m rows on (AVX2 builds; tolerance in docs/quantization.md), else weight-only. */
 void w8_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *w, const uint16_t *scales,
              int64_t G, const float *bias, int64_t N, float *y, int64_t ldy, int nthreads) {
-#ifdef __AVX2__
-    if (a16_min_m > 0 && G == 32 && K % 32 == 0 && M >= 1 && w8_has_avx512()) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if (a16_min_m > 0 && G == 32 && K % 32 == 0 && M >= 1) {
         /* groups of 32 on AVX-512BW: the 512-bit int16-activation kernels at every row count */
         if (M == 1) w8_gemv_g32_z(x, K, w, scales, bias, N, y, nthreads);
         else w8_gemm_g32_z(x, M, K, ldx, w, scales, bias, N, y, ldy, nthreads);
         return;
     }
+#endif
+#ifdef __AVX2__
     /* int16 activations (w8_gemm_a16 routes 1 row and, per channel, 2 rows to its GEMVs) for
      * per-channel or Q8_0-grouped weights at 1-2 rows and from a16_min_m rows on */
     const int rows_ok = M == 1 || (M == 2 && G >= K) || M >= a16_min_m;
