@@ -106,7 +106,10 @@ async def run_peers(args, bench_point) -> dict:
                     opts["quantization"] = "int8" if dtype == "int8" else QUANT_METHODS[dtype]
                 else:
                     ours_dir = import_ours(gguf)
-                res["weights"] = quant_weights(gguf, ours_dir, opts)
+                try:                        # informational: never lose the run over it
+                    res["weights"] = quant_weights(gguf, ours_dir, opts)
+                except Exception as e:      # noqa: BLE001 (backend/quant changes under this harness)
+                    res["weights"] = {"error": repr(e)}
             label = f"{name} {dtype}"
             if PEER in who and dtype in SUPPORTS[PEER]:
                 gguf = gguf or convert_to_gguf(model_dir, dtype)

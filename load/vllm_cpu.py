@@ -123,7 +123,11 @@ def server_env(base: dict, *, threads: int, kv_gib: int, venv: pathlib.Path = VE
     return {**{k: v for k, v in base.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")},
             "LD_PRELOAD": ":".join(preload), "VLLM_CPU_OMP_THREADS_BIND": cores_list(threads),
             "VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-            "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1"}
+            "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1",
+            # 0.32's AOT compile artifact does not load back on the CPU backend with torch 2.13
+            # ("'function' object has no attribute 'finalize_loading'"), so every start compiled
+            # again (minutes on two cores); its per-graph compile cache does load.
+            "VLLM_USE_AOT_COMPILE": "0"}
 
 
 def server_cmd(py: pathlib.Path, model: pathlib.Path, port: int, *, dtype: str, max_num_seqs: int,

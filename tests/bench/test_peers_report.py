@@ -107,6 +107,7 @@ def test_vllm_env_preloads_and_binds(tmp_path):
     if vllm_cpu.tcmalloc() is not None:
         assert env["LD_PRELOAD"].split(":")[0].endswith("libtcmalloc_minimal.so.4")
     assert "PYTHONPATH" not in env and env["HF_HUB_OFFLINE"] == "1" and env["PATH"] == "/bin"
+    assert env["VLLM_USE_AOT_COMPILE"] == "0"                  # its AOT artifact does not load back here
     assert vllm_cpu.cores_list(1) == "0" and vllm_cpu.cores_list(4) == "0-3"
 
 
