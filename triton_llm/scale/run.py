@@ -89,8 +89,12 @@ def _serve(args: argparse.Namespace) -> int:
         from triton_llm.scale.app import build_app
 
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        # A cluster of our own runs its workers at our priority: Ray's default puts them 15 nice levels
+        # below the driver, where the replicas' tritonservers starve beside their own -19 engine
+        # threads (Triton then finds a stub unhealthy) or beside any background job.
         ray.init(address=address or None, include_dashboard=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": root}})
+                 runtime_env={"env_vars": {"PYTHONPATH": root}},
+                 **({} if address else {"_system_config": {"worker_niceness": 0}}))
         _on_signals(_raise_stopped)                     # ray.init installs its own (it exits at once)
         cfg = size_cpus(config_from_args(args), float(ray.cluster_resources().get("CPU", 0)),
                         args.replica_cpus, args.ingress_cpus, enforce=not address)
