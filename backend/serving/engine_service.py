@@ -32,7 +32,7 @@ __all__ = ["EngineService", "Incoming", "build_engine_service", "STUB_SWITCH_INT
 # engine thread gives up the GIL at every C call (the decode step, torch ops) and wants it back when
 # the call returns; the response and metrics threads then hold it for up to the switch interval
 # before it changes hands, a stall of the whole step for every stream. 0.5 ms bounds that wait
-# (docs/benchmarks.md "The GIL and idle cores"). backend/disagg/bench_stack.py starts from it too.
+# (measured with load.overhead_ab --thread-stats).
 STUB_SWITCH_INTERVAL_S = 0.0005
 
 
