@@ -119,8 +119,7 @@ def settings_header(st: dict) -> str:
     """What a reader needs to trust a row: request counts and each server's thread setting."""
     req = {int(s): n for s, n in st["requests"].items()}
     counts = ", ".join(f"{s} stream{'s' if s > 1 else ''}: {n} requests" for s, n in req.items())
-    short = [s for s, n in req.items() if s == 1 and n < 64]
-    why = " (1 stream sized down to fit the run)" if short else ""
+    why = " (sized down from 64 to fit the run)" if any(n < 64 for n in req.values()) else ""
     t = st["threads"]
     label = "one thread each" if t == 1 else f"all {t} cores each"
     return (f"output tok/s; {counts}{why}; {label} (llama-server -t {st['peer_threads']} -tb "

@@ -66,14 +66,14 @@ def test_report_names_the_host_and_the_settings():
     report = json.loads(json.dumps(out))             # as the saved JSON has it: stream counts become strings
     text = peers_report(report)
     assert text.startswith("Host: Intel(R) Xeon(R) Platinum 8488C (family 6 model 143), 2 cores")
-    assert "**models/default**: output tok/s; 16 streams: 64 requests, 1 stream: 8 requests (1 stream sized " \
-           "down to fit the run); all 2 cores each (llama-server -t 2 -tb 2 -np 16, " \
+    assert "**models/default**: output tok/s; 16 streams: 64 requests, 1 stream: 8 requests (sized down from " \
+           "64 to fit the run); all 2 cores each (llama-server -t 2 -tb 2 -np 16, " \
            "vLLM VLLM_CPU_OMP_THREADS_BIND=0-1, ours at its defaults)" in text
     assert "| bf16 | 1 | 50.0 | – | 40.0 | 0.80x |" in text
     one = settings(argparse.Namespace(**{**vars(args), "one_thread": True}))
     assert one["threads"] == 1 and one["vllm_bind"] == "0" and one["ours_threads"] == "num_threads=1"
     text = peers_report({"machine": {}, "settings": one, "m": {"float32": {OURS: {1: point(9.0)}}}})
-    assert "**m**: output tok/s; 16 streams: 64 requests, 1 stream: 8 requests (1 stream sized down to fit the " \
+    assert "**m**: output tok/s; 16 streams: 64 requests, 1 stream: 8 requests (sized down from 64 to fit the " \
            "run); one thread each (llama-server -t 1 -tb 1 -np 16, vLLM VLLM_CPU_OMP_THREADS_BIND=0, " \
            "ours num_threads=1)" in text
 
