@@ -53,7 +53,8 @@ def build_batch(scheduled: list[tuple[Sequence, int]], kv: KVCacheManager, devic
     batch = build_chunks(chunks, kv.block_size, device)
     if lora_info is not None and any(seq.request.lora is not None for seq, _ in scheduled):
         batch.lora = LoRABatch.build([(seq.request.lora, len(c.token_ids)) for (seq, _), c in zip(scheduled, chunks)],
-                                     device=device, **lora_info)
+                                     q_size=lora_info["q_size"], kv_size=lora_info["kv_size"],
+                                     intermediate=lora_info["intermediate"], device=device)
     rows = hidden_rows(scheduled) if pooled else None    # backend/engine/embedding.py
     if rows:                # (a last-token request's earlier chunks need none: any step path)
         batch.hidden_indices = torch.tensor(rows, dtype=torch.int64, device=device)
