@@ -117,17 +117,22 @@ def cores_list(threads: int) -> str:
     return "0" if threads <= 1 else f"0-{threads - 1}"
 
 
-def server_env(base: dict, *, threads: int, kv_gib: int, venv: pathlib.Path = VENV) -> dict:
-    """The server's environment: offline, tcmalloc + Intel OpenMP preloaded, threads bound."""
+def server_env(*, threads: int, kv_gib: int, venv: pathlib.Path = VENV) -> dict:
+    """What the server's environment adds: offline, tcmalloc + Intel OpenMP preloaded, threads bound."""
     preload = [str(p) for p in (tcmalloc(), iomp(venv)) if p is not None]
-    return {**{k: v for k, v in base.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")},
-            "LD_PRELOAD": ":".join(preload), "VLLM_CPU_OMP_THREADS_BIND": cores_list(threads),
+    return {"LD_PRELOAD": ":".join(preload), "VLLM_CPU_OMP_THREADS_BIND": cores_list(threads),
             "VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
             "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1",
             # 0.32's AOT compile artifact does not load back on the CPU backend with torch 2.13
             # ("'function' object has no attribute 'finalize_loading'"), so every start compiled
-            # again (minutes on two cores); its per-graph compile cache does load.
+            # again (minutes on two cores).
             "VLLM_USE_AOT_COMPILE": "0"}
+
+
+def env_prefix(env: dict) -> list[str]:
+    """``env`` before the command: the inherited environment plus ``env``, without our venv's
+    PYTHONPATH / VIRTUAL_ENV (the peer has its own packages)."""
+    return ["env", "-u", "PYTHONPATH", "-u", "VIRTUAL_ENV", *(f"{k}={v}" for k, v in env.items())]
 
 
 def server_cmd(py: pathlib.Path, model: pathlib.Path, port: int, *, dtype: str, max_num_seqs: int,
@@ -163,9 +168,8 @@ class VllmServer:
         if not installed():
             raise RuntimeError("vLLM CPU is not installed: python -m load.peers install-vllm")
         self.port = free_port()
-        self.cmd = server_cmd(python(), stage_model(model_dir), self.port, dtype=dtype, max_num_seqs=max_num_seqs,
-                              eager=eager)
-        self.env = server_env(dict(os.environ), threads=threads or os.cpu_count() or 2, kv_gib=kv_gib)
+        self.cmd = env_prefix(server_env(threads=threads or os.cpu_count() or 2, kv_gib=kv_gib)) + server_cmd(
+            python(), stage_model(model_dir), self.port, dtype=dtype, max_num_seqs=max_num_seqs, eager=eager)
         self.start_timeout = start_timeout
         self.proc: subprocess.Popen | None = None
         self.log = PEERS / "vllm-server.log"
@@ -177,7 +181,7 @@ class VllmServer:
     def __enter__(self) -> "VllmServer":
         import httpx
 
-        self.proc = subprocess.Popen(self.cmd, env=self.env, cwd=PEERS, stdout=open(self.log, "wb"),
+        self.proc = subprocess.Popen(self.cmd, cwd=PEERS, stdout=open(self.log, "wb"),
                                      stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import subprocess
 
 from load import vllm_cpu
 from load.peers import peer_spec, settings
@@ -101,13 +102,17 @@ def test_vllm_install_removes_the_cuda_builds_and_serves_by_module(tmp_path):
 def test_vllm_env_preloads_and_binds(tmp_path):
     (tmp_path / "lib").mkdir()
     (tmp_path / "lib" / "libiomp5.so").write_bytes(b"")
-    env = vllm_cpu.server_env({"PATH": "/bin", "PYTHONPATH": "/work"}, threads=2, kv_gib=3, venv=tmp_path)
+    env = vllm_cpu.server_env(threads=2, kv_gib=3, venv=tmp_path)
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and env["VLLM_CPU_KVCACHE_SPACE"] == "3"
     assert env["LD_PRELOAD"].split(":")[-1] == str(tmp_path / "lib" / "libiomp5.so")
     if vllm_cpu.tcmalloc() is not None:
         assert env["LD_PRELOAD"].split(":")[0].endswith("libtcmalloc_minimal.so.4")
-    assert "PYTHONPATH" not in env and env["HF_HUB_OFFLINE"] == "1" and env["PATH"] == "/bin"
+    assert env["HF_HUB_OFFLINE"] == "1"
     assert env["VLLM_USE_AOT_COMPILE"] == "0"                  # its AOT artifact does not load back here
+    # run through env(1): the inherited environment minus our venv's, plus these
+    out = subprocess.run([*vllm_cpu.env_prefix({"A_PEER_VAR": "x y"}), "sh", "-c", 'echo "$A_PEER_VAR|$PYTHONPATH"'],
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": "/work"}, capture_output=True, text=True)
+    assert out.stdout == "x y|\n"
     assert vllm_cpu.cores_list(1) == "0" and vllm_cpu.cores_list(4) == "0-3"
 
 
