@@ -56,6 +56,8 @@ VARS: dict[str, Var] = {v.name: v for v in [
     Var("RAY_AUTH_MODE", None, "Ray's; token: the cluster demands its auth token"),
     Var("RAY_AUTH_TOKEN", None, "Ray's auth token"),
     Var("RAY_AUTH_TOKEN_PATH", None, "a file holding Ray's auth token"),
+    Var("RAY_gcs_server_port_wait_time_s", None, "Ray's; how long a starting head waits for its GCS "
+        "(serve --replicas: 120 s unless set; Ray's own default is 30 s)"),
 ]}
 
 

@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from backend.serving.process_group import free_port
+from backend.serving.process_group import free_port, scoped_environ
+from triton_llm.scale.ray_cluster import GCS_WAIT
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -28,9 +29,11 @@ def serve_app(cfg, name: str, *, num_cpus: int = 4, start_timeout: float = 300, 
     started = time.time() - 1
     # worker_niceness 0: Ray starts its workers 15 nice levels below the driver by default, which
     # put the replicas and their tritonservers at a nice -n 19 CPU burner's level (CI runs one).
-    ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level="ERROR",
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), **(env or {})}},
-             _system_config={"worker_niceness": 0})
+    # GCS_WAIT: Ray's 30 s for its GCS to start ran out in CI beside a burner (serve --replicas: 120 s)
+    with scoped_environ({GCS_WAIT: "180"}):
+        ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level="ERROR",
+                 runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), **(env or {})}},
+                 _system_config={"worker_niceness": 0})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(cfg), name=name, route_prefix="/", blocking=False)

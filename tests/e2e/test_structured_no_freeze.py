@@ -13,7 +13,8 @@ inside that window whatever the host's speed.
 
 The same scenario first runs with 8 unconstrained requests in place of the regexes: a host too
 busy to stream under 0.5 s gaps even then (other jobs on its cores) cannot show the bound either
-way, and the test is skipped with both measurements rather than passed or failed on noise.
+way, and the test is skipped with both measurements rather than passed or failed on noise. The
+pair runs twice at most: a freeze fails both tries, one burst of another job's CPU does not.
 """
 from __future__ import annotations
 
@@ -100,14 +101,22 @@ def _scenario(url: str, grammar: bool) -> tuple[list, list[float]]:
 
 
 def test_slow_grammars_do_not_stall_an_unconstrained_stream(shim_url):
-    _, base_gaps = _scenario(shim_url, grammar=False)
-    answers, gaps = _scenario(shim_url, grammar=True)
-    print(f"baseline: {len(base_gaps)} gaps, largest {max(base_gaps):.3f} s; with slow grammars: "
-          f"answers {answers}, {len(gaps)} gaps, largest {max(gaps):.3f} s")
-    assert all(a in ((200, None), (400, "guided_regex")) for a in answers), answers
-    if max(base_gaps) >= MAX_GAP_S:
-        pytest.skip(f"this host streams with {max(base_gaps):.2f} s gaps without any grammar (busy "
-                    f"cores), so the {MAX_GAP_S} s bound cannot be shown; with the slow grammars "
-                    f"the largest gap was {max(gaps):.2f} s")
-    assert len(gaps) >= 8                       # >= 4 s of stream at under 0.5 s a chunk
-    assert max(gaps) < MAX_GAP_S, sorted(gaps)[-5:]
+    # Two tries at most: a freeze (a compile on the engine's path) fails both, while one burst of
+    # another job's CPU on a loaded 2-core host (CI beside a burner) must not decide the result.
+    tries = []
+    for _ in range(2):
+        _, base_gaps = _scenario(shim_url, grammar=False)
+        answers, gaps = _scenario(shim_url, grammar=True)
+        print(f"baseline: {len(base_gaps)} gaps, largest {max(base_gaps):.3f} s; with slow grammars: "
+              f"answers {answers}, {len(gaps)} gaps, largest {max(gaps):.3f} s")
+        assert all(a in ((200, None), (400, "guided_regex")) for a in answers), answers
+        assert len(gaps) >= 8                       # >= 4 s of stream at under 0.5 s a chunk
+        tries.append((max(base_gaps), max(gaps), sorted(gaps)[-5:]))
+        if max(base_gaps) < MAX_GAP_S and max(gaps) < MAX_GAP_S:
+            return
+    if all(base >= MAX_GAP_S for base, _, _ in tries):
+        pytest.skip(f"this host streams with {[round(b, 2) for b, _, _ in tries]} s gaps without any "
+                    f"grammar (busy cores), so the {MAX_GAP_S} s bound cannot be shown; with the slow "
+                    f"grammars the largest gaps were {[round(g, 2) for _, g, _ in tries]} s")
+    pytest.fail(f"an unconstrained stream stalled past {MAX_GAP_S} s while grammars compiled "
+                f"(baseline, with grammars, the five largest gaps): {tries}")

@@ -48,7 +48,7 @@ def test_a_local_cluster_gets_a_private_token_and_loopback_only(tmp_path):
     try:
         token = d / "auth_token"
         assert env == {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token),
-                       "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+                       "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_gcs_server_port_wait_time_s": "120"}
         assert stat.S_IMODE(d.stat().st_mode) == 0o700 and stat.S_IMODE(token.stat().st_mode) == 0o600
         assert len(token.read_text()) == 64
         other = lock_down_local({})

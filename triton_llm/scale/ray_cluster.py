@@ -25,6 +25,7 @@ import tempfile
 from common import env
 
 AUTH_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+GCS_WAIT = "RAY_gcs_server_port_wait_time_s"
 DEFAULT_INGRESS_CPUS = 0.5
 
 
@@ -41,7 +42,9 @@ def lock_down_local(environ: dict | None = None) -> pathlib.Path:
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_hex(32))
     values = {"RAY_AUTH_TOKEN": None,            # it would win over the file
-              "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+              "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+              # Ray's 30 s for its GCS to start ran out on a loaded 2-core host (CI beside a burner)
+              GCS_WAIT: env.raw(GCS_WAIT) or "120"}
     if environ is None:
         env.update(values)                      # this process's: Ray and its workers inherit it
     else:
