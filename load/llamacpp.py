@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tarfile
 
-from backend.serving.process_group import wait_http_ok
+from load.peer_server import PeerServer
 from load.stack import ROOT
 
 LLAMA_CPP_PYTHON = "0.3.36"
@@ -237,40 +237,16 @@ def server_cmd(binary: pathlib.Path, gguf: pathlib.Path, port: int, *, parallel:
             *kv, "--cont-batching", "--no-webui"]
 
 
-class LlamaServer:
+class LlamaServer(PeerServer):
     """``with LlamaServer(gguf, parallel=16) as srv: srv.url`` -- started, healthy, stopped on exit."""
+    name = "llama-server"
 
     def __init__(self, gguf: pathlib.Path, *, parallel: int = 16, threads: int | None = None,
                  ctx_per_slot: int = 1024, dtype: str = "float32", cache_type: str | None = None) -> None:
         from backend.serving.launcher import free_port
 
-        self.port = free_port()
-        self.cmd = server_cmd(ensure_llama_server(), gguf, self.port, parallel=parallel,
-                              threads=threads or os.cpu_count() or 2, ctx_per_slot=ctx_per_slot, dtype=dtype,
-                              cache_type=cache_type)
-        self.proc: subprocess.Popen | None = None
-        self.log = PEERS / "llama-server.log"
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
-
-    def __enter__(self) -> "LlamaServer":
-
-        self.proc = subprocess.Popen(self.cmd, stdout=open(self.log, "wb"), stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        if wait_http_ok(f"http://127.0.0.1:{self.port}/health", self.proc, 120):
-            return self
-        code = self.proc.poll()
-        self.__exit__()
-        raise RuntimeError(f"llama-server exited ({code}); see {self.log}" if code is not None else
-                           f"llama-server not healthy within 120 s; see {self.log}")
-
-    def __exit__(self, *exc) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        port = free_port()
+        cmd = server_cmd(ensure_llama_server(), gguf, port, parallel=parallel,
+                         threads=threads or os.cpu_count() or 2, ctx_per_slot=ctx_per_slot, dtype=dtype,
+                         cache_type=cache_type)
+        super().__init__(cmd, port, PEERS / "llama-server.log", start_timeout=120, stop_grace=10)

