@@ -25,7 +25,6 @@ def serve_app(cfg, name: str, *, num_cpus: int = 4, start_timeout: float = 300, 
 
     from triton_llm.scale.app import build_app
 
-    port = free_port()
     started = time.time() - 1
     # worker_niceness 0: Ray starts its workers 15 nice levels below the driver by default, which
     # put the replicas and their tritonservers at a nice -n 19 CPU burner's level (CI runs one).
@@ -34,6 +33,9 @@ def serve_app(cfg, name: str, *, num_cpus: int = 4, start_timeout: float = 300, 
         ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level="ERROR",
                  runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), **(env or {})}},
                  _system_config={"worker_niceness": 0})
+    # The proxy's port is picked once Ray's own processes have bound theirs: picked before, one of
+    # them took it in CI ("Failed to bind to address" and the whole module errored).
+    port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(cfg), name=name, route_prefix="/", blocking=False)
