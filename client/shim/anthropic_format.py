@@ -16,19 +16,10 @@ started ends it with an ``error`` event.
 """
 from __future__ import annotations
 
-
+from client.shim.errors import anthropic_body
 from client.shim.format import dumps
 from client.shim.tools import loads_model_json
 from client.shim.turn import TurnTally
-
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 408: "timeout_error", 413: "request_too_large",
-               429: "rate_limit_error", 500: "api_error", 503: "overloaded_error", 529: "overloaded_error"}
-
-
-def error_body(status: int, message: str) -> dict:
-    kind = ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
-    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def _tool_id(call_id: str) -> str:
@@ -159,5 +150,5 @@ class MessagesTally(TurnTally):
 
     def error_event(self, err) -> str:
         self._events = []
-        self._ev("error", error=error_body(err.status, err.message)["error"])
+        self._ev("error", error=anthropic_body(err.status, err.message)["error"])
         return "".join(self._take())

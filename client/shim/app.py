@@ -19,7 +19,6 @@ from fastapi import FastAPI
 
 from client.errors import TritonLLMError
 from client.interface import LLMClient
-from client.shim.anthropic import AnthropicErrors
 from client.shim.anthropic import router as anthropic_router
 from client.shim.embeddings import router as embeddings_router
 from client.shim.errors import from_llm_error, install_handlers
@@ -99,8 +98,7 @@ def create_app(settings: ShimSettings | None = None, *, client: LLMClient | None
     app.include_router(lora_router)                   # /v1/load_lora_adapter, /v1/unload_lora_adapter
     app.state.response_store = ResponseStore(settings.response_store_items, settings.response_store_bytes)
     app.include_router(responses_router)                  # /v1/responses
-    app.include_router(anthropic_router)                  # /v1/messages
-    app.add_middleware(AnthropicErrors)                   # outermost: its errors in Anthropic's shape
+    app.include_router(anthropic_router)                  # /v1/messages (errors in its shape: errors.py)
     try:
         import client.chat as chat_page
     except ImportError as exc:

@@ -1,4 +1,8 @@
-"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}`` with the right status."""
+"""The shim's error answers, with the right status: OpenAI's shape ``{"error": {"message", "type",
+"param", "code"}}``, and on ``/v1/messages`` (client/shim/anthropic.py) Anthropic's ``{"type":
+"error", "error": {"type", "message"}}``. Every check (body limit, auth, validation, the routes,
+server errors) raises or sends an :class:`OpenAIError`; the request's path picks the shape, so no
+other request passes through the Anthropic route's code."""
 from __future__ import annotations
 
 import json
@@ -12,6 +16,19 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from client.errors import InvalidRequestError, QueueFullError, TritonLLMError, UnavailableError
 
 log = logging.getLogger("triton_llm.shim")
+ANTHROPIC_PATH = "/v1/messages"
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 408: "timeout_error", 413: "request_too_large",
+                   429: "rate_limit_error", 500: "api_error", 503: "overloaded_error", 529: "overloaded_error"}
+
+
+def anthropic_body(status: int, message: str) -> dict:
+    kind = ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def is_anthropic(path: str) -> bool:
+    return path.startswith(ANTHROPIC_PATH)
 
 
 class OpenAIError(Exception):
@@ -22,7 +39,11 @@ class OpenAIError(Exception):
         self.status, self.message, self.type = status, message, type
         self.param, self.code, self.headers = param, code, headers or {}
 
-    def body(self) -> dict:
+    def body(self, path: str = "") -> dict:
+        """The error in the shape of the API that ``path`` belongs to."""
+        if is_anthropic(path):              # Anthropic's has no param: named in the message
+            named = self.param and self.param not in self.message
+            return anthropic_body(self.status, f"{self.param}: {self.message}" if named else self.message)
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
 
@@ -30,8 +51,8 @@ class OpenAIError(Exception):
         """The stream's error event (a stream that fails never ends with ``[DONE]``)."""
         return f"data: {json.dumps(self.body(), ensure_ascii=False)}\n\n"
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self, path: str = "") -> JSONResponse:
+        return JSONResponse(self.body(path), status_code=self.status, headers=self.headers)
 
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
@@ -82,11 +103,11 @@ def _is_field(part) -> bool:
 
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
-    async def _openai(_req: Request, exc: OpenAIError):
-        return exc.response()
+    async def _openai(req: Request, exc: OpenAIError):
+        return exc.response(req.scope.get("path", ""))
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_req: Request, exc: RequestValidationError):
+    async def _validation(req: Request, exc: RequestValidationError):
         errors = exc.errors()
         first = errors[0] if errors else {}
         param = _validation_param(first.get("loc", ()))
@@ -96,16 +117,18 @@ def install_handlers(app: FastAPI) -> None:
             text, param = f"The request body is not valid JSON: {msg}", None
         elif param is None:
             text = f"The request body must be a JSON object: {msg}"
-        return invalid(text, param).response()
+        return invalid(text, param).response(req.scope.get("path", ""))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_req: Request, exc: StarletteHTTPException):
+    async def _http(req: Request, exc: StarletteHTTPException):
         kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
         return OpenAIError(exc.status_code, str(exc.detail), kind, None, None,
-                           dict(exc.headers or {})).response()
+                           dict(exc.headers or {})).response(req.scope.get("path", ""))
 
     @app.exception_handler(Exception)
-    async def _internal(_req: Request, exc: Exception):
-        log.exception("unhandled error")
-        return OpenAIError(500, f"internal error: {type(exc).__name__}", "server_error", None,
-                           "internal_error").response()
+    async def _internal(req: Request, exc: Exception):
+        log.exception("unhandled error on %s", req.scope.get("path", ""))
+        path = req.scope.get("path", "")
+        named = "" if is_anthropic(path) else f": {type(exc).__name__}"     # Anthropic's names no type
+        return OpenAIError(500, f"internal error{named}", "server_error", None,
+                           "internal_error").response(path)

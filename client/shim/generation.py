@@ -12,6 +12,11 @@ status; failures after it end the SSE stream with an ``error`` event and no ``[D
 cleanup path here is synchronous (it only cancels tasks / closes generators whose own cleanup
 does not await), so it works inside a task that the server already cancelled because the HTTP
 client went away.
+
+A request's ``model`` names the served base model or one of its LoRA adapters (docs/lora.md):
+``adapter_for`` resolves it. The adapter ids start as ``ShimSettings.lora_names`` (``triton-llm
+serve --lora NAME=DIR``) and change with the admin routes (lora_routes.py); the engine resolves
+the name (request parameter ``lora``) and refuses one it does not hold.
 """
 from __future__ import annotations
 
@@ -26,10 +31,9 @@ from fastapi.responses import JSONResponse, Response
 from backend import protocol as P
 from backend import timing
 from client.errors import InternalError, TritonLLMError, UnavailableError
-from client.shim.errors import from_llm_error
+from client.shim.errors import from_llm_error, model_not_found
 from client.shim.format import Tally
 from client.shim.limits import check_prompt_chars
-from client.shim.lora import adapter_for
 from client.shim.settings import context_window_of
 from client.shim.streaming import BoundedSSE
 from client.shim.tenants import KeyPolicy, Slot, effective_priority
@@ -57,10 +61,27 @@ async def check_prompt(request: Request, chars: int, param: str) -> None:
     check_prompt_chars(chars, window, settings.prompt_chars_per_token, param)
 
 
+def known(state) -> dict[str, None]:
+    """The app's adapter ids in registration order (an ordered set, on ``app.state``)."""
+    names = getattr(state, "lora_names", None)
+    if names is None:
+        names = state.lora_names = dict.fromkeys(state.settings.lora_names)
+    return names
+
+
+def adapter_for(state, model: str) -> str | None:
+    """None for the base model, the adapter's name for an adapter id; 404 for anything else."""
+    if model == state.settings.served_model:
+        return None
+    if model in known(state):
+        return model
+    raise model_not_found(model)
+
+
 def request_params(request: Request, body, key: KeyPolicy, lora: str | None = None) -> dict:
     """The body's parameters plus the adapter its model names, the key's priority and tenant."""
     params = body.params()
-    if lora is not None:                                # the model id named an adapter (lora.py)
+    if lora is not None:                                # the model id named an adapter (adapter_for)
         params[P.LORA] = lora
     params.pop("priority", None)
     priority = effective_priority(key, body.priority)

@@ -60,7 +60,7 @@ class BodyLimit:
             return
         declared = _content_length(scope)
         if declared is not None and declared > self.max_bytes:
-            await send_error(send, too_large(self.max_bytes))
+            await send_error(send, too_large(self.max_bytes), scope.get("path", ""))
             return
         chunks: list[bytes] = []
         try:            # asyncio's timer, not anyio's cancel scope: a fraction of its cost per request
@@ -74,11 +74,12 @@ class BodyLimit:
             err = too_large(self.max_bytes) if outcome == "large" else OpenAIError(
                 408, f"The request body did not arrive within {self.timeout:g} s.",
                 "invalid_request_error", None, "request_timeout", {"Connection": "close"})
-            await send_error(send, err)
+            await send_error(send, err, scope.get("path", ""))
             return
         if has_lone_surrogate(b"".join(chunks)):
             await send_error(send, invalid("The request body has a lone UTF-16 surrogate escape "
-                                            "(\\uD800-\\uDFFF without its pair): not valid Unicode."))
+                                            "(\\uD800-\\uDFFF without its pair): not valid Unicode."),
+                             scope.get("path", ""))
             return
         replayed = False
 
@@ -145,8 +146,9 @@ def _content_length(scope) -> int | None:
     return None
 
 
-async def send_error(send, err: OpenAIError) -> None:
-    body = json.dumps(err.body()).encode()
+async def send_error(send, err: OpenAIError, path: str) -> None:
+    """A middleware's error answer, in the shape of the API ``path`` belongs to (errors.py)."""
+    body = json.dumps(err.body(path)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode(), v.encode()) for k, v in err.headers.items()]
     await send({"type": "http.response.start", "status": err.status, "headers": headers})

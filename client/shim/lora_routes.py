@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from client.errors import TritonLLMError
 from client.lora_admin import lora_admin
 from client.shim.errors import OpenAIError, from_llm_error, model_not_found
-from client.shim.lora import known
+from client.shim.generation import known
 from client.shim.tenants import KeyPolicy, authenticated
 
 router = APIRouter()

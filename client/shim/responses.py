@@ -15,8 +15,7 @@ from client.shim.errors import OpenAIError, invalid
 from client.shim.reasoning import parses_reasoning
 from client.shim.responses_format import ResponsesTally
 from client.shim.responses_schema import ResponsesRequest, to_chat
-from client.shim.generation import respond_chat
-from client.shim.lora import adapter_for
+from client.shim.generation import adapter_for, respond_chat
 from client.shim.tenants import KeyPolicy, authenticated
 from client.shim.tools import parses_tool_calls
 from client.shim.turn import assistant_message

@@ -14,8 +14,7 @@ from backend import timing
 from client.errors import TritonLLMError
 from client.shim.errors import not_ready
 from client.shim.format import Tally
-from client.shim.generation import check_prompt, request_params, respond
-from client.shim.lora import adapter_cards, adapter_for
+from client.shim.generation import adapter_for, check_prompt, known, request_params, respond
 from client.shim.reasoning import parses_reasoning, with_reasoning
 from client.shim.schemas import ChatCompletionRequest, CompletionRequest
 from client.shim.settings import context_window_of
@@ -82,6 +81,12 @@ async def get_model(model_id: str, request: Request, _key: KeyPolicy = Depends(a
     if adapter_for(s, model_id) is not None:
         return next(c for c in adapter_cards(s) if c["id"] == model_id)
     return await _model_card(request)
+
+
+def adapter_cards(state) -> list[dict]:
+    """vLLM's shape: one model card per LoRA adapter, ``parent`` = the base model's id."""
+    return [{"id": name, "object": "model", "created": state.created, "owned_by": "triton-llm",
+             "parent": state.settings.served_model, "root": name} for name in known(state)]
 
 
 async def _model_card(request: Request) -> dict:

@@ -48,7 +48,7 @@ class ShimSettings:
     prompt_chars_per_token: int = DEFAULT_PROMPT_CHARS_PER_TOKEN   # prompt cap: this x the window
     stream_write_timeout_s: float = 30.0   # an SSE client that takes no bytes this long is cut off
     reasoning_parser: str | None = None    # "deepseek_r1": <think> text -> reasoning_content (reasoning.py)
-    lora_names: tuple[str, ...] = ()       # model ids that name LoRA adapters of the served model (lora.py)
+    lora_names: tuple[str, ...] = ()       # model ids that name LoRA adapters of the served model (generation.adapter_for)
     response_store_items: int = 1024       # /v1/responses kept for previous_response_id, per tenant
     response_store_bytes: int = 64 << 20   # ... and their bytes, per tenant (response_store.py)
 

@@ -226,4 +226,4 @@ class KeyFirst:
         err = unauthorized("Incorrect or missing API key. Send it as 'Authorization: Bearer KEY' "
                            "(or 'x-api-key: KEY').")
         err.headers = {**err.headers, "Connection": "close"}     # the unread body dies with it
-        await send_error(send, err)
+        await send_error(send, err, scope.get("path", ""))
