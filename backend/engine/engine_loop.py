@@ -137,8 +137,8 @@ class EngineLoop:
             params = SamplingParams()           # one choice, nothing sampled
         else:
             validate_request(self.limits, request_id, prompt_ids, params)
-            if self.grammars is not None:       # a bad schema is a 400 here; compiled once, cached
-                self.grammars.prepare(params)
+            if self.grammars is not None and params.constrained:    # a bad schema is a 400 here;
+                self.grammars.prepare(params)                       # compiled once, cached
         tenant = tenant or ""
         with self._lock:
             if request_id in self._open:

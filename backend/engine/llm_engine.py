@@ -4,7 +4,7 @@ same steps and finish at the end of their prompt with a pooled vector (embedding
 
 Single-threaded by design: EngineLoop (engine_loop.py) owns it on one thread; the offline LLM
 drives it directly. Admission rules live in admission.py (pure, any thread), what happens after
-the model ran in Scheduler.update_from_output, counters in stats.py, deltas in deltas.py.
+the model ran in Scheduler.update_from_output, counters in stats.py, deltas in stop_checker.py.
 """
 from __future__ import annotations
 
@@ -16,17 +16,15 @@ import torch
 from backend.config import EngineConfig, LoRAConfig
 from backend.context import context_window
 from backend.engine.admission import EngineLimits, check_queue, duplicate_id, validate_request
-from backend.engine.batch import build_batch
-from backend.engine.deltas import make_deltas
 from backend.engine.embedding import absorb, embedding_delta, validate_embed
 from backend.engine.sampler import Sampler
-from backend.engine.schedule_output import SampledLogprobs, SampledTokens, SchedulerOutput
+from backend.engine.schedule_output import SampledLogprobs, SampledTokens, SchedulerOutput, build_batch
 from backend.engine.scheduler import Scheduler
 from backend.engine.sequence import Request, Sequence
 from backend.engine.stats import EngineStats, StatsRecorder
-from backend.engine.stop_checker import StopChecker
+from backend.engine.stop_checker import StopChecker, make_deltas
 from backend.errors import EngineError, ErrorKind, deadline_exceeded, invalid_request, unavailable
-from backend.kv_cache.hashing import extra_key
+from backend.kv_cache.block_pool import extra_key
 from backend.lora.adapter import LoRAAdapter, LoRAError
 from backend.lora.registry import UnknownAdapter
 from backend.model.pooling import PoolingConfig
@@ -116,7 +114,7 @@ class LLMEngine:
             params, max_tokens, grammar = SamplingParams(speculative=False), 0, None
         else:
             max_tokens = validate_request(self.limits, request_id, prompt_token_ids, params)
-            grammar = self.grammars.prepare(params) if params is not None else None
+            grammar = self.grammars.prepare(params) if params is not None and params.constrained else None
         if request_id in self.scheduler.requests:
             raise duplicate_id(request_id)
         try:

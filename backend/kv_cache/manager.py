@@ -21,9 +21,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from backend.kv_cache import hashing
-from backend.kv_cache.block_pool import BlockPool, KVCacheBlock
-from backend.kv_cache.hashing import ROOT_HASH, ROOT_ID, CacheKey
+from backend.kv_cache import block_pool
+from backend.kv_cache.block_pool import ROOT_HASH, ROOT_ID, BlockPool, CacheKey, KVCacheBlock
 from backend.kv_cache.offload import OffloadChain
 from backend.kv_cache.storage import KVCacheStorage
 
@@ -188,7 +187,7 @@ class KVCacheManager:
                 assert block.key is not None and block.key[1:] == key[1:], "shared block committed with different tokens"
                 h, entry_id = block.block_hash, block.entry_id
             else:
-                h = hashing.hash_block(seq.tip_hash, toks, seq.salt)
+                h = block_pool.hash_block(seq.tip_hash, toks, seq.salt)
                 found = self._find(h)
                 if found is None:
                     entry_id = self._new_entry_id()
@@ -282,7 +281,7 @@ class KVCacheManager:
         for i in range(max(0, len(token_ids) - 1) // bs):
             toks = tuple(token_ids[i * bs:(i + 1) * bs])
             key = (tip_id, toks, salt)
-            h = hashing.hash_block(tip_hash, toks, salt)
+            h = block_pool.hash_block(tip_hash, toks, salt)
             found = self._find(h)
             if found is None or found[0] != key:   # exact check: a colliding hash is a miss
                 break

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backend.kv_cache.hashing import CacheKey
+from backend.kv_cache.block_pool import CacheKey
 
 
 @dataclass

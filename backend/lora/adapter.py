@@ -47,7 +47,7 @@ class LoRAAdapter:
     path: str
     rank: int
     scale: float
-    uid: str                      # name + content digest: the prefix-cache identity (kv_cache/hashing.py)
+    uid: str                      # name + content digest: the prefix-cache identity (kv_cache/block_pool.py)
     layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = field(repr=False)
     c_table: Any = field(default=None, repr=False, compare=False)   # the fused C step's copy (lora/fused.py)
 

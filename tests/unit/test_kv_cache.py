@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from backend.kv_cache import KVCacheManager, hashing
+from backend.kv_cache import KVCacheManager, block_pool
 from tests.unit.kv_helpers import cached_tokens, free_blocks, slots
 
 BS = 4
@@ -108,8 +108,8 @@ def test_hit_revives_free_cached_blocks_from_the_middle_of_the_lru_list():
 
 def test_generated_tokens_are_cached_by_commit_and_not_rehashed(monkeypatch):
     calls = []
-    real = hashing.hash_block
-    monkeypatch.setattr(hashing, "hash_block", lambda *a: calls.append(a[1]) or real(*a))
+    real = block_pool.hash_block
+    monkeypatch.setattr(block_pool, "hash_block", lambda *a: calls.append(a[1]) or real(*a))
     m = make()
     toks = [7, 7, 7, 7, 8, 8]
     assert m.acquire_prefix("a", toks) == 0 and m.allocate_slots("a", 6)
@@ -188,11 +188,11 @@ def test_tenant_salt_isolates_prefix_cache():
     assert cached_tokens(m, prompt, None) == 0
     assert run_prompt(m, "b", prompt, salt="tenant-2") == 0
     assert set(m.block_table("a")).isdisjoint(m.block_table("b"))
-    assert hashing.hash_block(b"", [1], "x") != hashing.hash_block(b"", [1], None)
+    assert block_pool.hash_block(b"", [1], "x") != block_pool.hash_block(b"", [1], None)
 
 
 def test_forced_hash_collision_never_returns_other_content(monkeypatch):
-    monkeypatch.setattr(hashing, "hash_block", lambda *a: b"same")
+    monkeypatch.setattr(block_pool, "hash_block", lambda *a: b"same")
     m = make(num_blocks=12)
     run_prompt(m, "a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
     # Block 1 collides with block 0's entry and is left uncached.

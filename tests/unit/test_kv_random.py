@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from backend.kv_cache import KVCacheManager, KVCacheStorage, hashing
+from backend.kv_cache import KVCacheManager, KVCacheStorage, block_pool
 from tests.unit.kv_helpers import free_blocks, slots
 
 BS, NUM_BLOCKS, MAX_LEN = 4, 24, 40
@@ -124,8 +124,8 @@ def test_random_operations_keep_integrity_and_content(tiers, tmp_path):
 def test_random_operations_stay_exact_when_every_hash_collides(monkeypatch):
     """A hash that ignores parent and salt makes unrelated blocks collide all the time; the key
     check must still hand out only a sequence's own prefix (check_content would fail otherwise)."""
-    real = hashing.hash_block
-    monkeypatch.setattr(hashing, "hash_block", lambda parent, toks, salt: real(b"", toks, None))
+    real = block_pool.hash_block
+    monkeypatch.setattr(block_pool, "hash_block", lambda parent, toks, salt: real(b"", toks, None))
     storage = KVCacheStorage(num_layers=1, num_blocks=NUM_BLOCKS, block_size=BS, num_kv_heads=1, head_dim=1)
     m = KVCacheManager(num_blocks=NUM_BLOCKS, block_size=BS, storage=storage, host_tier_blocks=12)
     Workload(m, random.Random(99)).run(3000)

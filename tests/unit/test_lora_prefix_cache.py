@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from backend import LLM, SamplingParams
-from backend.kv_cache.hashing import ROOT_HASH, extra_key, hash_block
+from backend.kv_cache.block_pool import ROOT_HASH, extra_key, hash_block
 from tests.unit.lora_helpers import make_adapter
 
 PROMPT = torch.randint(3, 3000, (50,), generator=torch.Generator().manual_seed(11)).tolist()

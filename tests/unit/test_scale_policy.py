@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from backend.kv_cache.hashing import ROOT_HASH, hash_block
+from backend.kv_cache.block_pool import ROOT_HASH, hash_block
 from triton_llm.scale.fallback import FallbackPolicy
 from triton_llm.scale.metrics import RoutingMetrics
 from triton_llm.scale.policy import PrefixAffinityPolicy

@@ -1,7 +1,7 @@
 """Scale-out on Ray Serve (docs/scale_out.md): many tritonservers behind one OpenAI endpoint.
 
     policy.py       PrefixAffinityPolicy: pure prefix-affinity + load-bound replica choice
-    prefix_key.py   PrefixKeyer: the leading block hashes of a rendered prompt (kv_cache/hashing.py)
+    prefix_key.py   PrefixKeyer: the leading block hashes of a rendered prompt (kv_cache/block_pool.py)
     fallback.py     FallbackPolicy: when a request goes to the lighter model
     metrics.py      RoutingMetrics: hit/miss by policy, per-replica load (Ray metrics + a snapshot)
     router.py       PrefixAwareRouter: the policy as a Ray Serve RequestRouter

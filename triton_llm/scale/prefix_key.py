@@ -2,7 +2,7 @@
 
 Rendered exactly as the ``preprocessing`` model renders it (backend/serving/preprocess.py: the chat
 template, the tokenizer), cut in the engine's ``block_size`` and hashed with the tenant salt by the
-engine's own chain (backend/kv_cache/hashing.py), so equal chains mean the engine would find the
+engine's own chain (backend/kv_cache/block_pool.py), so equal chains mean the engine would find the
 same cached blocks. Only ``max_blocks`` leading blocks count: enough to tell conversations and
 shared system prompts apart, bounded work per request.
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pathlib
 
-from backend.kv_cache.hashing import ROOT_HASH, extra_key, hash_block
+from backend.kv_cache.block_pool import ROOT_HASH, extra_key, hash_block
 
 
 def chain_of(token_ids: list[int], block_size: int, salt: str | None = None,
