@@ -6,7 +6,7 @@ members here makes that contract checkable: mypy checks EngineLoop against ``Ste
 tests/unit/test_engine_roles.py checks every engine against it.
 
 ``HandoverLoop`` is a loop whose ``submit`` also takes a hand-over record (role=decode's
-DecodeLoop). Intake (backend/serving/intake.py) asks ``isinstance(loop, HandoverLoop)`` before it
+DecodeLoop). Intake (backend/serving/engine_service.py) asks ``isinstance(loop, HandoverLoop)`` before it
 passes a request's ``handover`` parameter on; any other loop answers such a request with a 400.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Noticing that a client went away, and stopping its request.
+"""Noticing that a client went away, and stopping its request; explicit aborts.
 
 Cancellation costs an ``is_cancelled()`` IPC round trip, so it is checked per request on a time
 basis: at most once per ``cancel_check_interval`` when the request sends (``ensemble_cancel_interval``
@@ -6,23 +6,32 @@ for a step of the ``llm`` ensemble, which Triton never tells about a cancel: its
 explicit abort), and by the sweep (every ``sweep_interval``, or the request's own longer interval)
 when it sends nothing. A cancel seen is aborted in the engine at once, so the request's blocks are
 free before the engine's next step. An explicit abort (a control request) is answered here too.
-Runs on the response thread only.
+Runs on the response thread only, except the tombstones' ``leave`` / ``take`` (execute thread).
+
+Tombstones: inside the ``llm`` ensemble a client's abort goes straight to the engine model while
+its request may still be in preprocessing. Such an abort leaves a tombstone for ``ttl`` seconds;
+the request, when it arrives, is answered with ``finish_reason="abort"`` without running. An abort
+whose target is running (the engine freed it) or already finished leaves none, so a later request
+that reuses the id runs normally.
 """
 from __future__ import annotations
 
 import logging
+import threading
+import time
+from collections import OrderedDict
 from typing import Any, Callable, Iterable
 
 from backend import protocol as P
 from backend.serving.latency import ABORT_TO_FREE, LatencyRecorder
 from backend.serving.messages import ControlAnswered, RequestHandle
 from backend.serving.responses import control_outputs
-from backend.serving.tombstones import AbortTombstones
 
 log = logging.getLogger(__name__)
 
 CANCEL_CHECK_INTERVAL = 0.02    # s; at the 16-stream goal rate (~20 ms a token) about every other send
 ENSEMBLE_CANCEL_CHECK = 1.0     # s; steps of the llm ensemble (Triton does not tell them about cancels)
+RECENT = 4096                   # finished ids remembered (an abort after finish is a no-op)
 
 
 class CancelWatch:
@@ -90,3 +99,43 @@ class CancelWatch:
             msg.responder.send(control_outputs(freed is not None), final=True)
         except Exception:                   # noqa: BLE001 - the control client went away
             log.debug("abort control answer for %s not delivered", msg.target)
+
+
+class AbortTombstones:
+    """Explicit aborts that arrived before their request, and the ids of finished requests."""
+
+    def __init__(self, ttl: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl = ttl
+        self._clock = clock
+        self._lock = threading.Lock()       # execute thread (leave, take) vs response thread (clear)
+        self._expiry: dict[str, float] = {}
+        self._finished: OrderedDict[str, None] = OrderedDict()   # response thread only
+
+    def leave(self, target: str) -> None:
+        """An abort for ``target`` arrived (execute thread)."""
+        with self._lock:
+            self._expiry[target] = self._clock() + self.ttl
+
+    def take(self, rid: str) -> bool:
+        """True if an unexpired abort for ``rid`` came first (the request must not run)."""
+        now = self._clock()
+        with self._lock:
+            expiry = self._expiry.pop(rid, None)
+            for k in [k for k, e in self._expiry.items() if e < now]:
+                del self._expiry[k]
+        return expiry is not None and expiry >= now
+
+    def clear(self, target: str) -> None:
+        """The abort found its target (running, or finished before): no tombstone."""
+        with self._lock:
+            self._expiry.pop(target, None)
+
+    def finished(self, rid: str) -> None:
+        """``rid`` got its FINAL (response thread)."""
+        self._finished[rid] = None
+        self._finished.move_to_end(rid)
+        while len(self._finished) > RECENT:
+            self._finished.popitem(last=False)
+
+    def has_finished(self, rid: str) -> bool:
+        return rid in self._finished

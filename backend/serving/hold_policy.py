@@ -1,9 +1,14 @@
-"""How long a streamed choice's mid-stream tokens may wait to be gathered into one response.
+"""Fewer sends for the same tokens: merging a choice's deltas, and how long a streamed choice's
+mid-stream tokens may wait to be gathered into one response.
+
+Under load the engine produces deltas faster than one IPC send each can carry them: ``coalesce``
+merges a choice's queued backlog (``merge_deltas``: every token, in order), so it is sent (and
+postprocessed) once.
 
 With a hold interval (``stream_interval``, or ``busy_stream_interval`` while at least
 ``busy_streams`` requests are open, scaled by how many are) a choice's mid-stream delta that comes
 less than the interval after the choice's last send is held and merged with the next ones
-(``coalesce.merge_deltas``: the same tokens and text), so one response (one ``send`` IPC, one
+(``merge_deltas``: the same tokens and text), so one response (one ``send`` IPC, one
 ensemble hop, one gRPC message, one SSE chunk) carries several steps' tokens. Each choice has its
 own clock, and a held token waits at most its choice's interval: the first delta that comes an
 interval after the last send takes it along (sends stay on step boundaries), else the response
@@ -19,7 +24,10 @@ go first), a cancelled request's tokens (dropped).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from backend.outputs import StepDelta
+from backend.serving.messages import DeltaArrived, Message
 
 BUSY_STREAMS = 16               # open requests from which busy_stream_interval gathers tokens
 BUSY_SCALE_MAX = 2.0            # the busy hold grows with the open streams up to this factor
@@ -70,3 +78,38 @@ class HoldPolicy:
             # response: hold across the next two steps, so a response carries three steps' tokens.
             return max(hold, min(self.busy_hold_steps * gap, self.busy_hold_max))
         return 0.0
+
+
+def merge_deltas(a: StepDelta, b: StepDelta) -> StepDelta | None:
+    """One delta equivalent to sending ``a`` then ``b`` (same choice), or None if they must stay apart.
+
+    b's window starts at most CONTEXT_TOKENS before the end of a's, and its first ``num_sent`` ids
+    are already-sent context, so a's window followed by b's new ids is one window with a's
+    ``num_sent``. A stop-string cut (``max_chars``) is relative to its own window: never merged.
+    """
+    if a.finished or a.max_chars >= 0 or b.max_chars >= 0 or a.error is not None or b.error is not None:
+        return None
+    return replace(b, new_token_ids=a.new_token_ids + b.new_token_ids,
+                   window_ids=a.window_ids + b.window_ids[b.num_sent:], num_sent=a.num_sent,
+                   logprobs=a.logprobs + b.logprobs)
+
+
+def coalesce(batch: list[Message]) -> list[Message]:
+    """The batch with each choice's consecutive deltas merged; other messages keep their place."""
+    if len(batch) < 2:
+        return batch
+    out: list[Message] = []
+    last: dict[tuple[int, int], int] = {}       # (request handle, choice) -> position in out
+    for msg in batch:
+        if not isinstance(msg, DeltaArrived):
+            out.append(msg)
+            continue
+        key = (id(msg.handle), msg.delta.index)
+        at = last.get(key)
+        merged = None if at is None else merge_deltas(out[at].delta, msg.delta)
+        if merged is None:
+            last[key] = len(out)
+            out.append(msg)
+        else:
+            out[at] = DeltaArrived(msg.handle, merged)
+    return out

@@ -28,15 +28,14 @@ from typing import Any, Callable
 
 from backend.errors import EngineError, internal, unavailable
 from backend.outputs import StepDelta
-from backend.serving.coalesce import coalesce, merge_deltas
 from backend.serving.errors import wire_kind
-from backend.serving.cancel_watch import CANCEL_CHECK_INTERVAL, ENSEMBLE_CANCEL_CHECK, CancelWatch
-from backend.serving.hold_policy import BUSY_HOLD_MAX, BUSY_HOLD_STEPS, BUSY_STREAMS, DUE_SLACK, HoldPolicy, Pace
+from backend.serving.cancel_watch import CANCEL_CHECK_INTERVAL, ENSEMBLE_CANCEL_CHECK, AbortTombstones, CancelWatch
+from backend.serving.hold_policy import (BUSY_HOLD_MAX, BUSY_HOLD_STEPS, BUSY_STREAMS, DUE_SLACK, HoldPolicy, Pace,
+                                         coalesce, merge_deltas)
 from backend.serving.latency import LatencyRecorder
 from backend.serving.messages import (STOP, ControlAnswered, DeltaArrived, Held, Message, Opened,
                                       Rejected, RequestHandle)
 from backend.serving.responses import engine_outputs, wants_text
-from backend.serving.tombstones import AbortTombstones
 from backend import timing
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ from backend import LLM, SamplingParams
 from backend.detokenizer import decode_delta
 from backend.errors import deadline_exceeded
 from backend.outputs import StepDelta
-from backend.serving.coalesce import coalesce, merge_deltas
+from backend.serving.hold_policy import coalesce, merge_deltas
 from backend.serving.messages import ControlAnswered, DeltaArrived, Opened, Rejected, RequestHandle
 from tests.conftest import model_dir
 
