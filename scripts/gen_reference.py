@@ -29,7 +29,7 @@ import typing
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "reference.md"
-LAB_DIRS = ("bench", "load", "tools", "scripts")
+LAB_DIRS = ("bench", "load", "scripts")
 NOT_CODE = {"tests", "docs", "build", "models", "docker"}
 # every top-level folder of code: a new package is scanned without an edit here
 CODE_DIRS = tuple(sorted(d.name for d in ROOT.iterdir() if d.is_dir() and d.name not in NOT_CODE
@@ -376,7 +376,7 @@ def render() -> str:
         lines.append(f"| `{name}` | {_md(typ)} | {_md(default)} | {_md(meaning)} |")
     lines += ["", "## Environment variables", "",
               "The product's variables are declared in `common/env.py` (the one module that reads them);",
-              "the lab's (`bench/`, `load/`, `scripts/`, `tools/`) are found where they are read. Default:",
+              "the lab's (`bench/`, `load/`, `scripts/`) are found where they are read. Default:",
               "what the code assumes when unset; read in: the files that name it.", "",
               "| variable | default | read in | meaning |", "|---|---|---|---|"]
     for name, default, files, meaning in env_vars():

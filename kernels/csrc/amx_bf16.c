@@ -17,7 +17,7 @@
  * 17.0 / 24.9, at M = 6 even, at 8 AMX ahead, 20.7 / 27.3 against 23.1 / 32.6). bench-15m, whose
  * weights stay in cache, would gain from AMX at 4 already (0.95 against 1.08 ms). Smaller group
  * sizes and software prefetch of the next tile rows did not move AMX at M = 4. Sweep:
- * tools/ab_dtype_step.py MODEL --amx-sweep. */
+ * python -m bench.ab_dtype_step MODEL --amx-sweep. */
 #define AMX_MIN_M 6
 
 typedef struct {

@@ -1,6 +1,6 @@
 """Fused decode step: fp32 vs int8 vs int4 (fused and torch path) side by side in one process.
 
-    python tools/ab_fused_quant.py MODEL_DIR [--batch 1 16] [--context 128] [--rounds 12] [--threads 1]
+    python -m bench.ab_fused_quant MODEL_DIR [--batch 1 16] [--context 128] [--rounds 12] [--threads 1]
         [--methods int8 int4] [--head]
 
 One runner per weight format on the same checkpoint (prefilled with the same prompts), then decode
@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from backend.config import EngineArgs
+from backend.config import EngineConfig
 from backend.model.batch_builder import SeqChunk, build_batch
 from backend.model.runner import ModelRunner
 
@@ -36,9 +36,9 @@ def main() -> None:
     for batch in a.batch:
         per_seq = -(-(a.context + a.rounds + 2) // bs)
         args = dict(block_size=bs, num_kv_blocks=batch * per_seq, num_threads=a.threads)
-        runners = {"float32": ModelRunner(a.model_dir, EngineArgs(**args))}
+        runners = {"float32": ModelRunner(a.model_dir, EngineConfig(**args))}
         for m in a.methods:
-            runners[m] = ModelRunner(a.model_dir, EngineArgs(quantization=m, quant_lm_head=a.head, **args))
+            runners[m] = ModelRunner(a.model_dir, EngineConfig(quantization=m, quant_lm_head=a.head, **args))
         rng = random.Random(0)
         tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
         prompts = [[rng.randrange(runners["float32"].info.vocab_size) for _ in range(a.context)]

@@ -1,14 +1,14 @@
 /* Microbenchmark of the fused decode step's linears (kernels/csrc/decode_cpu.c), one thread:
  * best of 20 calls per shape (bench-15m and SmolLM2-135M projections, SmolLM2's lm_head), M = 1, 4, 16.
  *
- *   cc -O3 -march=native -fopenmp -I. -o /tmp/fused_gemm_bench tools/fused_gemm_bench.c \
- *      kernels/csrc/paged_cpu.c -lm && /tmp/fused_gemm_bench
+ *   cc -O3 -march=native -fopenmp -I. -o /tmp/fused_gemm_bench bench/csrc/fused_gemm_bench.c \
+ *      kernels/csrc/*.c -lm && /tmp/fused_gemm_bench
  *
  * Compare versions by building it against another revision's decode_cpu.c (docs/kernels.md). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
-#include "kernels/csrc/decode_cpu.c"
+#include "kernels/csrc/decode_cpu.h"
 static double now(){struct timespec t;clock_gettime(CLOCK_MONOTONIC,&t);return t.tv_sec+t.tv_nsec*1e-9;}
 int main(int argc,char**argv){
   int shapes[][2]={{864,288},{288,288},{1536,288},{288,768},{960,576},{576,576},{3072,576},{576,1536},{49152,576}};

@@ -1,7 +1,7 @@
 """Where an in-process engine's time goes on the peers workload, per kind of step, and the same
 workload with the fused C step in its modes, alternating in one process.
 
-    .venv/bin/python tools/profile_steps.py MODEL_DIR [--streams 16] [--requests 64] [--rounds 2]
+    .venv/bin/python -m bench.profile_steps MODEL_DIR [--streams 16] [--requests 64] [--rounds 2]
         [--modes torch,decode,varlen] [--threads N]
 
 Workload: load/peers.py's shape in token ids -- prompts uniform in 16..256 tokens (corpus windows),
@@ -22,14 +22,10 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import pathlib
 import random
-import sys
 import time
 
 import torch
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))     # load/ (not an installed package)
 
 from backend import LLM, SamplingParams
 

@@ -1,11 +1,11 @@
 """Offline engine (LLM.generate, greedy, ignore_eos) with the fused C decode step on and off,
 alternating in one process; prints best wall and CPU ms per output token-step for each side.
 
-    .venv/bin/python tools/ab_fused_engine.py MODEL_DIR STREAMS MAX_TOKENS [ROUNDS]
+    .venv/bin/python -m bench.ab_fused_engine MODEL_DIR STREAMS MAX_TOKENS [ROUNDS]
 
 Prompts are 64 tokens, so the numbers include prefill amortized over MAX_TOKENS steps.
 """
-import sys
+import argparse
 import time
 
 from backend.llm import LLM
@@ -13,8 +13,13 @@ from backend.sampling_params import SamplingParams
 
 
 def main() -> None:
-    model, n, toks = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    rounds = int(sys.argv[4]) if len(sys.argv) > 4 else 3
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model_dir")
+    ap.add_argument("streams", type=int)
+    ap.add_argument("max_tokens", type=int)
+    ap.add_argument("rounds", type=int, nargs="?", default=3)
+    a = ap.parse_args()
+    model, n, toks, rounds = a.model_dir, a.streams, a.max_tokens, a.rounds
     llm = LLM(model, num_threads=1, kv_cache_memory=1 << 28)
     sp = SamplingParams(max_tokens=toks, temperature=0.0, ignore_eos=True)
     prompts = [[5 + i, 17, 99, 230, 41, 7, 8, 9] * 8 for i in range(n)]

@@ -1,7 +1,7 @@
 """Per-step cost of a model in fp32 (fused C step) against bf16 on the torch path and bf16 on the fused
 C step (AMX / VDPBF16PS, docs/kernels.md "bf16 models"), side by side in one process:
 
-    PYTHONPATH=. .venv/bin/python tools/ab_dtype_step.py MODEL [--threads 1] [--reps 5]
+    .venv/bin/python -m bench.ab_dtype_step MODEL [--threads 1] [--reps 5]
 
 MODEL: a checkpoint directory or a load/stack.py preset (bench-15m, bench-110m). Cases (block size
 16, random tokens, contexts 64-192): decodes of 1, 4, 16 and 32 sequences, a 64-token prompt with
@@ -23,7 +23,7 @@ import json
 import random
 import time
 
-from backend.config import EngineArgs
+from backend.config import EngineConfig
 from backend.model.batch_builder import SeqChunk, build_batch
 from backend.model.runner import ModelRunner
 from load.stack import resolve_model
@@ -46,7 +46,7 @@ def amx_sweep(path: str, threads: int, reps: int, rng: random.Random) -> None:
     from kernels.cpu import decode_library
 
     lib = decode_library()
-    r = ModelRunner(path, EngineArgs(block_size=BS, num_kv_blocks=BLOCKS, num_threads=threads, dtype="bfloat16"))
+    r = ModelRunner(path, EngineConfig(block_size=BS, num_kv_blocks=BLOCKS, num_threads=threads, dtype="bfloat16"))
     if r.fused is None:
         raise SystemExit("no bf16 fused step here (needs AVX512-BF16)")
     try:
@@ -81,7 +81,7 @@ def main() -> None:
         return
 
     def runner(dtype: str) -> ModelRunner:
-        return ModelRunner(path, EngineArgs(block_size=BS, num_kv_blocks=BLOCKS, num_threads=a.threads, dtype=dtype))
+        return ModelRunner(path, EngineConfig(block_size=BS, num_kv_blocks=BLOCKS, num_threads=a.threads, dtype=dtype))
 
     r32, rb = runner("float32"), runner("bfloat16")
     fused_bf16 = rb.fused

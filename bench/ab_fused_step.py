@@ -1,7 +1,7 @@
 """Per-step cost of the fused C step (kernels/csrc/decode_cpu.c) against the torch path, side by side:
 each repetition runs the same batch through both, alternating; prints best-of-N wall and CPU ms.
 
-    .venv/bin/python tools/ab_fused_step.py MODEL_DIR [--reps 7] [--threads N] [--cases tail,prefill,mixed,decode]
+    .venv/bin/python -m bench.ab_fused_step MODEL_DIR [--reps 7] [--threads N] [--cases tail,prefill,mixed,decode]
 
 Cases (block size 16, random token ids, a fresh block table per sequence):
     tail N+q    one sequence, N tokens already cached (a prefix-cache hit), q new tokens (q = 1..16:
@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from backend.config import EngineArgs
+from backend.config import EngineConfig
 from backend.model.batch_builder import SeqChunk, build_batch
 from backend.model.runner import ModelRunner
 
@@ -54,8 +54,8 @@ def main() -> None:
     ap.add_argument("--prefill-lens", default="16,64,136,256,512", help="prompt lengths of the prefill case")
     a = ap.parse_args()
     rng = random.Random(0)
-    runner = ModelRunner(a.model_dir, EngineArgs(block_size=BS, num_kv_blocks=2048, num_threads=a.threads,
-                                                 quantization=a.quantization))
+    runner = ModelRunner(a.model_dir, EngineConfig(block_size=BS, num_kv_blocks=2048, num_threads=a.threads,
+                                                   quantization=a.quantization))
     fused = runner.fused
     if fused is None:
         raise SystemExit("the fused step is not available for this model/setup")

@@ -1,7 +1,7 @@
 #!/bin/bash
 # Fused C decode step vs the torch path, side by side (docs/benchmarks.md, issue 15):
 # each run alternates fused and torch decode steps in one process (bench.model_step --ab-fused);
-# the whole set runs ROUNDS times. Usage: tools/ab_fused_decode.sh [ROUNDS] [STEPS]
+# the whole set runs ROUNDS times. Usage: bench/ab_fused_decode.sh [ROUNDS] [STEPS]
 rounds=${1:-2}; steps=${2:-16}
 py=${PYTHON:-.venv/bin/python}
 for r in $(seq "$rounds"); do

@@ -1,7 +1,7 @@
 /* What one core of this CPU can do, for reading the CPU kernels' numbers (docs/kernels.md "bf16
  * models", docs/benchmarks.md run 6):
  *
- *   gcc -O2 -march=native tools/cpu_rates.c -o build/cpu_rates && build/cpu_rates [MB]
+ *   gcc -O2 -march=native bench/csrc/cpu_rates.c -o build/cpu_rates && build/cpu_rates [MB]
  *
  * 1. Instruction rates, 16 independent accumulator chains each: VDPBF16PS zmm (32 bf16 products),
  *    FMA zmm (16) and FMA ymm (8), in G instructions and G multiply-adds per second (AVX512-BF16

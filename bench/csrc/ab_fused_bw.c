@@ -8,16 +8,16 @@
  * reference: max |difference| printed per library (same weights: 0 expected, the per-row sums
  * are unchanged).
  *
- *   cc -O2 -o /tmp/ab_fused_bw tools/ab_fused_bw.c -ldl
- *   git show REV:kernels/csrc/decode_cpu.c > /tmp/old.c
- *   cc -O3 -march=native -fopenmp -shared -fPIC -o /tmp/old.so /tmp/old.c kernels/csrc/paged_cpu.c -lm
- *   cc -O3 -march=native -fopenmp -shared -fPIC -o /tmp/new.so kernels/csrc/decode_cpu.c kernels/csrc/paged_cpu.c -lm
+ *   cc -O2 -march=native -I. -o /tmp/ab_fused_bw bench/csrc/ab_fused_bw.c -ldl
+ *   mkdir -p /tmp/old && git archive REV kernels/csrc | tar -x -C /tmp/old
+ *   cc -O3 -march=native -fopenmp -shared -fPIC -o /tmp/old.so /tmp/old/kernels/csrc/*.c -lm
+ *   cc -O3 -march=native -fopenmp -shared -fPIC -o /tmp/new.so kernels/csrc/*.c -lm
  *   /tmp/ab_fused_bw M REPS CTX /tmp/old.so /tmp/new.so /tmp/old.so:huge /tmp/new.so:huge
  *
  * M decodes (1..64) at CTX tokens of context (<= 128). ``split`` as the 4th argument instead times
  * the first library's linear_f32 on each projection of every layer and the lm_head at M = 1
  * (huge-page weights), best of REPS, against its whole step: what the rest (norms, RoPE, attention)
- * costs. The Model struct below mirrors decode_cpu.c's (same field order). */
+ * costs. Model comes from this checkout's decode_cpu.h: the libraries compared must share its layout. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <stdint.h>
@@ -27,17 +27,7 @@
 #include <sys/mman.h>
 #include <time.h>
 
-typedef struct {
-    int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, inter, vocab, block_size, max_pos;
-    int64_t gemm_min_m;
-    float eps, scale;
-    const float *embed, *norm, *lm_head, *cos, *sin;
-    const float **ln1, **qkv_w, **qkv_b, **o_w, **o_b, **ln2, **gu_w, **gu_b, **down_w, **down_b;
-    float **k_cache, **v_cache;
-    void *sgemm;
-    const void *qw, *head_q;
-    void *w8, *w4;
-} Model;
+#include "kernels/csrc/decode_cpu.h"      /* Model: this checkout's layout (build with -I.) */
 typedef int (*step_fn)(const Model *, int64_t, int64_t, const int64_t *, const int64_t *, const int64_t *,
                        const int32_t *, const int32_t *, const int32_t *, int64_t, int64_t, const int64_t *,
                        float *, float *, int);
