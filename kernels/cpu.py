@@ -44,7 +44,7 @@ SOURCE = pathlib.Path(__file__).with_name("csrc") / "paged_cpu.c"
 PAGED_EXTRA = (SOURCE.with_name("kv_half.c"),)                # linked into the attention library
 DECODE_SOURCE = SOURCE.with_name("decode_cpu.c")
 DECODE_EXTRA = tuple(SOURCE.with_name(f) for f in (          # linked into the decode library
-    "step_pool.c", "linear_f32.c", "linear_bf16.c", "amx_bf16.c", "bf16_avx2.c", "paged_cpu.c", "kv_half.c", "lora_cpu.c"))
+    "step_pool.c", "linear_f32.c", "linear_bf16.c", "bf16_packed.c", "amx_bf16.c", "bf16_avx2.c", "paged_cpu.c", "kv_half.c", "lora_cpu.c"))
 DECODE_SOURCES = (DECODE_SOURCE, *DECODE_EXTRA)
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC"]
 DECODE_FLAGS = [["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"], FLAGS]   # first that builds
@@ -243,8 +243,12 @@ def load_decode(path: pathlib.Path):
     lib.amx_set.restype = None
     if not env.flag("TRITON_LLM_AMX"):        # the C code reads no environment: told here
         lib.amx_set(0)
-    lib.linear_bf16_test.argtypes = [_P, _I, _I, _P, _P, _I, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    lib.linear_bf16_test.argtypes = [_P, _I, _I, _P, _P, _I, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     lib.linear_bf16_test.restype = ctypes.c_int
-    lib.linear_bf16_with.argtypes = [_P, _P, _I, _I, _P, _P, _I, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    lib.linear_bf16_with.argtypes = [_P, _P, _I, _I, _P, _P, _P, _I, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     lib.linear_bf16_with.restype = ctypes.c_int
+    lib.bf16_packed_elems.argtypes = [_I, _I]
+    lib.bf16_packed_elems.restype = _I
+    lib.bf16_pack.argtypes = [_P, _I, _I, _P]
+    lib.bf16_pack.restype = None
     return lib

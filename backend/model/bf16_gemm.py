@@ -86,6 +86,11 @@ def crossover(lib, cfg, shapes: list[tuple[int, int]], nt: int, avx2: bool) -> i
 def _measure(lib, cfg, shapes, nt, avx2) -> int:
     g = torch.Generator().manual_seed(0)
     weights = [(torch.randn(n, k, generator=g) * k ** -0.5).bfloat16() for n, k in shapes]
+    packed = [None] * len(shapes)
+    if not avx2 and lib.bf16_dot_supported():      # the step's own kernel there: on packed copies
+        packed = [torch.empty(lib.bf16_packed_elems(n, k), dtype=torch.int16) for n, k in shapes]
+        for (n, k), w, p in zip(shapes, weights, packed):
+            lib.bf16_pack(w.data_ptr(), n, k, p.data_ptr())
     wins = []
     for m in CANDIDATES:
         xs = [torch.randn(m, k, generator=g) for _, k in shapes]
@@ -93,8 +98,9 @@ def _measure(lib, cfg, shapes, nt, avx2) -> int:
 
         def run(min_m):
             cfg.bgemm_min_m = min_m
-            for (n, k), w, x, y in zip(shapes, weights, xs, ys):
-                lib.linear_bf16_with(ctypes.byref(cfg), x.data_ptr(), m, k, w.data_ptr(), None, n, y.data_ptr(),
+            for (n, k), w, p, x, y in zip(shapes, weights, packed, xs, ys):
+                lib.linear_bf16_with(ctypes.byref(cfg), x.data_ptr(), m, k, w.data_ptr(),
+                                     None if p is None else p.data_ptr(), None, n, y.data_ptr(),
                                      0, nt, int(avx2))
         own = _best(lambda: run(NEVER))
         wins.append(_best(lambda: run(1), give_up=own / MARGIN) <= MARGIN * own)

@@ -49,7 +49,7 @@ static void linear_q(const Model *m, const QW *q, const float *x, int64_t M, int
                      const float *bias, int64_t N, float *y, int acc, float *tmp, uint16_t *xb, int nt) {
     if (!q || q->kind == Q_F32) { linear(m, x, M, K, W, bias, N, y, acc, nt); return; }
     if (q->kind == Q_BF16) {
-        linear_bf16(m, x, M, K, (const uint16_t *)q->w, bias, N, y, acc, xb, nt, m->bf16_avx2 || !bf16_dot_supported());
+        linear_bf16(m, x, M, K, (const uint16_t *)q->w, q->packed, bias, N, y, acc, xb, nt, m->bf16_avx2 || !bf16_dot_supported());
         return;
     }
     float *out = acc ? tmp : y;

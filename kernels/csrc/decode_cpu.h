@@ -8,6 +8,7 @@
  *   linear_bf16.c   bf16 linears: dispatch, VDPBF16PS tiles, the AVX2 path's BLAS
  *   amx_bf16.c      bf16 linears on AMX tiles (TDPBF16PS)
  *   bf16_avx2.c     bf16 weights widened in AVX2 registers
+ *   bf16_packed.c   bf16 linears on weights packed at load (VDPBF16PS, no horizontal sums)
  *   decode_cpu.c    step_forward: the step itself (norms, RoPE, KV store, attention, MLP, lm_head)
  *   paged_cpu.c, kv_half.c   attention through the block table; f32_to_half
  *   lora_cpu.c      LoRA adapter rows: shrink / expand after each projection (Model.lora)
@@ -51,6 +52,7 @@ typedef struct {
     int64_t kind, group;
     const void *w;                  /* int8 [N, K], packed int4 [N, ceil(K/32)*16] or bf16 [N, K] */
     const uint16_t *scales, *zeros; /* fp16 [N, groups]; zeros: int4 only */
+    const uint16_t *packed;         /* bf16 only: w packed by bf16_pack (bf16_packed.c), or NULL */
 } QW;
 enum { P_QKV = 0, P_O = 1, P_GU = 2, P_DOWN = 3, P_COUNT = 4 };
 
@@ -149,10 +151,17 @@ INTERNAL void linear(const Model *m, const float *x, int64_t M, int64_t K, const
 /* linear_bf16.c */
 INTERNAL int64_t bf16_input_elems(int64_t M, int64_t K);
 INTERNAL void linear_bf16(const Model *m, const float *x, int64_t M, int64_t K, const uint16_t *W,
-                          const float *bias, int64_t N, float *y, int acc, uint16_t *xb, int nt, int avx2);
+                          const uint16_t *Wp, const float *bias, int64_t N, float *y, int acc, uint16_t *xb,
+                          int nt, int avx2);
 int bf16_dot_supported(void);
 INTERNAL void linear_rows_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *W, const float *bias,
                                int64_t N, float *y, int acc, int64_t n0, int64_t n1);
+
+/* bf16_packed.c: y (+)= xb Wp^T + bias, Wp = bf16_pack(W); 0 done, -1 not taken (no AVX512-BF16, K odd). */
+int64_t bf16_packed_elems(int64_t N, int64_t K);
+void bf16_pack(const uint16_t *W, int64_t N, int64_t K, uint16_t *out);
+INTERNAL int linear_packed_bf16(const uint16_t *xb, int64_t M, int64_t K, const uint16_t *Wp, const float *bias,
+                                int64_t N, float *y, int acc, int T);
 
 /* amx_bf16.c: y (+)= xb W^T + bias on AMX tiles; 0 done, -1 not taken (no AMX, K % 32, N < 16). */
 int amx_supported(void);

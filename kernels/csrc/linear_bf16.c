@@ -1,7 +1,8 @@
 /* bf16 linears of the fused step (decode_cpu.c): y [M, N] (+)= bf16(x) [M, K] W^T + bias with the
  * model's own bf16 weight W [N, K], read in place. Inputs rounded to bf16 (RNE), products summed
  * in fp32. Where the CPU has AVX512-BF16: AMX tiles from AMX_MIN_M rows (amx_bf16.c), VDPBF16PS
- * register tiles below (here); else (or with the Model's bf16_avx2 flag) the AVX2 kernels of
+ * tiles below: on the weight's packed copy where the step has one (bf16_packed.c, ~3x these at
+ * M >= 4), else the row-major register tiles here; else (or with the Model's bf16_avx2 flag) the AVX2 kernels of
  * bf16_avx2.c, with MKL sgemm on widened weights from gemm_min_m rows. From bgemm_min_m rows
  * (Model.bgemm set: MKL's cblas_gemm_bf16bf16f32, AMX where the CPU has it) MKL multiplies the
  * same bf16-rounded inputs by W in place; the crossover is measured per host by
@@ -165,8 +166,8 @@ static void bgemm_chunk(void *p, int64_t c) {
  * unless avx2 is set or the CPU lacks it; then the AVX2 kernels (bf16_avx2.c), same contract: BLAS
  * on widened weights from m->gemm_min_m rows (m->sgemm set), register tiles below. From
  * m->bgemm_min_m rows (m->bgemm set) MKL's bf16 GEMM instead, whatever the kernel set. */
-void linear_bf16(const Model *m, const float *x, int64_t M, int64_t K, const uint16_t *W, const float *bias,
-                 int64_t N, float *y, int acc, uint16_t *xb, int nt, int avx2) {
+void linear_bf16(const Model *m, const float *x, int64_t M, int64_t K, const uint16_t *W, const uint16_t *Wp,
+                 const float *bias, int64_t N, float *y, int acc, uint16_t *xb, int nt, int avx2) {
     const int T = linear_threads(nt, M, N, K);
     if (m->bgemm && M >= m->bgemm_min_m && M < (1 << 30) && N < (1 << 30) && K < (1 << 30)) {
         f32_to_half(x, xb, M * K, KV_BF16);             /* RNE, as torch's .to(bfloat16) */
@@ -180,6 +181,7 @@ void linear_bf16(const Model *m, const float *x, int64_t M, int64_t K, const uin
     if (!avx2) {
         f32_to_half(x, xb, M * K, KV_BF16);             /* RNE, as torch's .to(bfloat16) */
         if (linear_amx(xb, M, K, W, bias, N, y, acc, T) == 0) return;
+        if (Wp && linear_packed_bf16(xb, M, K, Wp, bias, N, y, acc, T) == 0) return;
         BLinearJob j = {xb, M, K, W, bias, N, y, acc, linear_chunks(T, N)};
         par_for(T, j.C, blinear_chunk, &j, 0);
         return;
@@ -202,18 +204,24 @@ int bf16_supported(void) { return bf16_dot_supported() || bf16_avx2_supported();
  * avx2: the AVX2 kernels even where VDPBF16PS runs; cfg: a Model whose BLAS fields (sgemm,
  * gemm_min_m, bgemm, bgemm_min_m, mkl_threads_local) are used, or NULL: this library's kernels
  * only. -1 where the CPU has neither kernel set (or avx2 is asked without AVX2) or no memory. */
-int linear_bf16_with(const Model *cfg, const float *x, int64_t M, int64_t K, const uint16_t *W, const float *bias,
-                     int64_t N, float *y, int acc, int nt, int avx2) {
+int linear_bf16_with(const Model *cfg, const float *x, int64_t M, int64_t K, const uint16_t *W, const uint16_t *Wp,
+                     const float *bias, int64_t N, float *y, int acc, int nt, int avx2) {
     if (avx2 ? !bf16_avx2_supported() : !bf16_supported()) return -1;
     uint16_t *xb = aligned_alloc(64, (sizeof(uint16_t) * (size_t)bf16_input_elems(M, K) + 63) & ~(size_t)63);
     if (!xb) return -1;
     const Model none = {0};
-    linear_bf16(cfg ? cfg : &none, x, M, K, W, bias, N, y, acc, xb, nt, avx2 || !bf16_dot_supported());
+    linear_bf16(cfg ? cfg : &none, x, M, K, W, Wp, bias, N, y, acc, xb, nt, avx2 || !bf16_dot_supported());
     free(xb);
     return 0;
 }
 
+/* packed: W packed here first (bf16_packed.c's kernels, where VDPBF16PS runs and avx2 is not set). */
 int linear_bf16_test(const float *x, int64_t M, int64_t K, const uint16_t *W, const float *bias, int64_t N,
-                     float *y, int acc, int nt, int avx2) {
-    return linear_bf16_with(NULL, x, M, K, W, bias, N, y, acc, nt, avx2);
+                     float *y, int acc, int nt, int avx2, int packed) {
+    uint16_t *Wp = packed ? malloc(sizeof(uint16_t) * (size_t)bf16_packed_elems(N, K)) : NULL;
+    if (packed && !Wp) return -1;
+    if (Wp) bf16_pack(W, N, K, Wp);
+    const int r = linear_bf16_with(NULL, x, M, K, W, Wp, bias, N, y, acc, nt, avx2);
+    free(Wp);
+    return r;
 }

@@ -49,7 +49,7 @@ def linear(lib, x, w, bias, y0, acc: int, nt: int, avx2: int) -> torch.Tensor:
     y = y0.clone()
     m, k = x.shape
     assert lib.linear_bf16_test(x.data_ptr(), m, k, w.data_ptr(), None if bias is None else bias.data_ptr(),
-                                w.shape[0], y.data_ptr(), acc, nt, avx2) == 0
+                                w.shape[0], y.data_ptr(), acc, nt, avx2, 0) == 0
     return y
 
 

@@ -36,7 +36,7 @@ def linear(lib, c, x, w, bias, y0, acc: int, nt: int, avx2: int = 0) -> torch.Te
     y = y0.clone()
     m, k = x.shape
     assert lib.linear_bf16_with(ctypes.byref(c) if c is not None else None, x.data_ptr(), m, k, w.data_ptr(),
-                                None if bias is None else bias.data_ptr(), w.shape[0], y.data_ptr(), acc, nt,
+                                None, None if bias is None else bias.data_ptr(), w.shape[0], y.data_ptr(), acc, nt,
                                 avx2) == 0
     return y
 

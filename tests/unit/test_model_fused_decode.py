@@ -344,13 +344,15 @@ def test_bf16_thread_count_and_pool_do_not_change_the_step(brunner, shape):
     test_thread_count_and_pool_do_not_change_the_step(brunner, shape)
 
 
+@pytest.mark.parametrize("packed", [0, 1])
 @pytest.mark.parametrize("amx", [1, 0])
 @pytest.mark.parametrize("n,k", [(1, 32), (5, 20), (16, 64), (37, 96), (130, 33), (600, 256), (4100, 64)])
-def test_bf16_linear_kernels_every_row_and_token_count(n, k, amx):
+def test_bf16_linear_kernels_every_row_and_token_count(n, k, amx, packed):
     """``linear_bf16_test``: bf16(x) W^T (+ bias, + the residual) against float64 over the same
     bf16 values, AMX on and off (off: VDPBF16PS tiles for every M; on: AMX from 6 tokens where K %
-    32 == 0, its N % 16 rows left to the VDPBF16PS tiles), 1 and 2 threads, bit-identical across
-    thread counts."""
+    32 == 0, its N % 16 rows left to the VDPBF16PS tiles), on the row-major weight and on its packed
+    copy (bf16_packed.c; odd K: the row-major tiles), 1 and 2 threads, bit-identical across thread
+    counts."""
     lib = _bf16_lib()
     g = torch.Generator().manual_seed(n * 1000 + k)
     w = torch.randn(n, k, generator=g).bfloat16()
@@ -367,11 +369,35 @@ def test_bf16_linear_kernels_every_row_and_token_count(n, k, amx):
                 for nt in (1, 2):
                     y = y0.clone()
                     assert lib.linear_bf16_test(x.data_ptr(), m, k, w.data_ptr(), None if bias is None else bias.data_ptr(),
-                                                n, y.data_ptr(), acc, nt, 0) == 0
+                                                n, y.data_ptr(), acc, nt, 0, packed) == 0
                     outs.append(y)
                 err = (outs[0].double() - want).abs().max().item()
                 assert err <= 1e-5 * max(1.0, want.abs().max().item()), (m, bias is None, acc, err)
                 assert torch.equal(outs[0], outs[1])
+    finally:
+        lib.amx_set(1)
+
+
+@pytest.mark.parametrize("n,k", [(16, 64), (37, 96), (1030, 72)])
+def test_packed_bf16_rows_do_not_depend_on_the_batch(n, k):
+    """On packed weights (VDPBF16PS, AMX off) every output is one lane's sum in K order, so a row's
+    bits are the same whatever the other rows of the call, its tile and the thread count: the first
+    m rows of a 33-row call equal an m-row call's."""
+    lib = _bf16_lib()
+    if not lib.bf16_dot_supported():
+        pytest.skip("no AVX512-BF16: the packed kernels are not built for this CPU")
+    g = torch.Generator().manual_seed(n + k)
+    w, b, x = torch.randn(n, k, generator=g).bfloat16(), torch.randn(n, generator=g), torch.randn(33, k, generator=g)
+    lib.amx_set(0)
+    try:
+        def run(m, nt):
+            y = torch.empty(m, n)
+            assert lib.linear_bf16_test(x.data_ptr(), m, k, w.data_ptr(), b.data_ptr(), n, y.data_ptr(), 0, nt, 0, 1) == 0
+            return y
+        full = run(33, 2)
+        for m in (1, 2, 5, 6, 7, 17):
+            for nt in (1, 2):
+                assert torch.equal(run(m, nt), full[:m]), (m, nt)
     finally:
         lib.amx_set(1)
 
