@@ -37,9 +37,11 @@ from common import env
 
 CSRC = pathlib.Path(__file__).with_name("csrc")
 SOURCE = CSRC / "w8_gemm.c"                # + the rest of csrc/ in one library (csrc/quant_cpu.h)
-EXTRA = tuple(CSRC / f for f in ("w8_f32a.c", "w8_a16.c", "w8_gemv.c", "w8_avx512.c", "w4.c"))
+EXTRA = tuple(CSRC / f for f in ("w8_f32a.c", "w8_a16.c", "w8_gemv.c", "w8_avx512.c", "w8_packed.c", "w8_quantize.c", "w4.c"))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 SMALL_M = 32
+PACKED_MIN_M = 2      # int8 groups of 32 packed at load (csrc/w8_packed.c): from this many rows
+PACKED_G = -32        # w8_gemm's G for a packed buffer (csrc/quant_cpu.h W8_PACKED_G)
 A16_MIN_M = 5         # int8: int16 activations from this many rows on, and at 1 (and, per channel, 2) rows (csrc: w8_gemm)
 _P, _I, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
@@ -63,6 +65,12 @@ def library():
     lib.w8_set_a16_min_m.argtypes, lib.w8_set_a16_min_m.restype = [_I], None
     lib.w8_a16_min_m.argtypes, lib.w8_a16_min_m.restype = [], _I
     lib.w8_set_a16_min_m(A16_MIN_M)
+    lib.w8_set_packed_min_m.argtypes, lib.w8_set_packed_min_m.restype = [_I], None
+    lib.w8_packed_min_m.argtypes, lib.w8_packed_min_m.restype = [], _I
+    lib.w8_packed_bytes.argtypes, lib.w8_packed_bytes.restype = [_I, _I], _I
+    lib.w8_pack_g32.argtypes, lib.w8_pack_g32.restype = [_P, _P, _I, _I, _P], None
+    lib.w8_set_packed_min_m(PACKED_MIN_M)
+    lib.w8_quantize.argtypes, lib.w8_quantize.restype = [_P, _I, _I, _I, _P, _P, _C], None
     lib.w4_gemm.argtypes = [_P, _I, _I, _I, _P, _P, _P, _I, _P, _I, _P, _I, _C]
     lib.w8_dequant.argtypes = [_P, _P, _I, _I, _I, _P, _C]
     lib.w4_dequant.argtypes = [_P, _P, _P, _I, _I, _I, _P, _C]
@@ -73,6 +81,37 @@ def library():
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+def pack(method: str, qweight: torch.Tensor, scales: torch.Tensor, group_size: int, k: int) -> torch.Tensor | None:
+    """int8 in groups of 32 (K % 32 == 0) -> the packed buffer w8_gemm reads with G = PACKED_G
+    (csrc/w8_packed.c: header, weights [N/16][K/2][16][2], fp32 scales); None where it does not apply
+    (other methods or groups, no AVX2 build, no library). The buffer points at ``qweight`` and
+    ``scales`` (the GEMVs read those at 1 row): keep them alive and unchanged with it."""
+    lib = library()
+    if (lib is None or method != "int8" or group_size != 32 or k % 32 or qweight.device.type != "cpu"
+            or not qweight.is_contiguous() or not scales.is_contiguous()):
+        return None
+    nbytes = lib.w8_packed_bytes(qweight.shape[0], k)
+    if nbytes <= 0:
+        return None
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    lib.w8_pack_g32(qweight.data_ptr(), scales.data_ptr(), qweight.shape[0], k, buf.data_ptr())
+    return buf
+
+
+def quantize_int8(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """layout.quantize_int8's rule in C (csrc/w8_quantize.c): (q int8 [N, K], scales fp16 [N, NG]),
+    or None without the library."""
+    lib = library()
+    if lib is None:
+        return None
+    n, k = w.shape
+    w = w.float().contiguous()
+    q = torch.empty(n, k, dtype=torch.int8)
+    s = torch.empty(n, -(-k // group_size), dtype=torch.float16)
+    lib.w8_quantize(w.data_ptr(), n, k, group_size, q.data_ptr(), s.data_ptr(), torch.get_num_threads())
+    return q, s
 
 
 def dequantize(method: str, qweight, scales, zeros, group_size: int, k: int) -> torch.Tensor:
@@ -89,11 +128,18 @@ def dequantize(method: str, qweight, scales, zeros, group_size: int, k: int) -> 
 
 
 def gemm(x: torch.Tensor, method: str, qweight, scales, zeros, group_size: int, k: int,
-         bias: torch.Tensor | None, kernel: str | None = None) -> torch.Tensor:
+         bias: torch.Tensor | None, kernel: str | None = None, packed: torch.Tensor | None = None) -> torch.Tensor:
     """x fp32 [M, K] (unit last stride) -> fp32 [M, N]. ``kernel`` (benchmarks, tests): ``blas``
     (dequantize + F.linear), ``f32a`` (int8 weight-only C loops), ``a16`` (int8 x int16
-    activations), ``c`` (w8_gemm / w4_gemm, which pick by M); None: the routing below."""
+    activations), ``c`` (w8_gemm / w4_gemm, which pick by M); None: the routing below. ``packed``
+    (:func:`pack` of these weights): w8_gemm on it (the packed tiles from PACKED_MIN_M rows)."""
     m, n = x.shape[0], qweight.shape[0]
+    if packed is not None and kernel in (None, "c"):
+        x = x if x.stride(1) == 1 else x.contiguous()
+        y = torch.empty(m, n, dtype=torch.float32)
+        library().w8_gemm(x.data_ptr(), m, k, x.stride(0), packed.data_ptr(), scales.data_ptr(), PACKED_G,
+                          _ptr(bias), n, y.data_ptr(), n, torch.get_num_threads())
+        return y
     if kernel is None:
         lib = library()
         a16 = method == "int8" and lib.w8_a16_min_m() > 0 and (

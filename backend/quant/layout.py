@@ -77,14 +77,43 @@ def _pad_groups(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.T
     return w.view(n, ng, group_size), valid.view(n, ng, group_size)
 
 
-def quantize_int8(w: torch.Tensor, group_size: int | None = None) -> QuantWeight:
-    """Symmetric int8 in [-127, 127]; one scale per output row (group_size None) or per group."""
+# The int8 scale search (csrc/w8_quantize.c runs the same rule): candidates r * absmax / 127, r = 1
+# first, then the grid 1 + (i - 8) / 160 for i = 0..40 (0.95 .. 1.20); the least squared error wins,
+# ties to the earlier candidate.
+INT8_RATIOS = [1.0] + [1 + (i - 8) / 160 for i in range(41) if i != 8]
+
+
+def quantize_int8(w: torch.Tensor, group_size: int | None = None, reference: bool = False) -> QuantWeight:
+    """Symmetric int8 in [-127, 127]; one scale per output row (group_size None) or per group, the
+    scale searched per group (INT8_RATIOS) for the least squared error. On CPU with the C library
+    built (and not ``reference``) csrc/w8_quantize.c does it; this torch loop is its reference."""
     n, k = w.shape
     g = k if group_size is None else group_size
-    wg, _ = _pad_groups(w.float(), g)
-    scale = (wg.abs().amax(-1) / 127).clamp_min(1e-8).half()
-    q = torch.round(wg / scale.float().unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
-    return QuantWeight("int8", q.view(n, -1)[:, :k].contiguous(), scale, None, g, k)
+    if not reference and w.device.type == "cpu":
+        from backend.quant import cpu
+        got = cpu.quantize_int8(w, g)
+        if got is not None:
+            return QuantWeight("int8", got[0], got[1], None, g, k)
+    q = torch.empty(n, num_groups(k, g) * g, dtype=torch.int8)
+    scale = torch.empty(n, num_groups(k, g), dtype=torch.float16)
+    for r0 in range(0, n, 256):                    # row chunks: the candidates' error tensors stay small
+        wg, valid = _pad_groups(w[r0:r0 + 256].float(), g)
+        base = wg.abs().amax(-1) / 127
+        best_err = best_s = None
+        for r in INT8_RATIOS:
+            s = (base * torch.tensor(r, dtype=torch.float32)).half().float()
+            qc = torch.round(wg / s.clamp_min(6e-8).unsqueeze(-1)).clamp_(-127, 127)
+            err = torch.where(valid, qc * s.unsqueeze(-1) - wg, 0).square().sum(-1)
+            err = torch.where(s > 0, err, torch.inf)
+            if best_err is None:
+                best_err, best_s = err, s
+            else:
+                better = err < best_err
+                best_err, best_s = torch.where(better, err, best_err), torch.where(better, s, best_s)
+        qc = torch.round(wg / best_s.clamp_min(6e-8).unsqueeze(-1)).clamp_(-127, 127)
+        q[r0:r0 + 256] = torch.where(best_s.unsqueeze(-1) > 0, qc, 0).to(torch.int8).view(wg.shape[0], -1)
+        scale[r0:r0 + 256] = best_s.half()
+    return QuantWeight("int8", q[:, :k].contiguous(), scale, None, g, k)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:

@@ -42,6 +42,8 @@ class QuantLinear(nn.Module):
             self.zeros = _param(torch.empty(out_features, ng, dtype=torch.float16))
         self.scales = _param(torch.empty(out_features, ng, dtype=torch.float16))
         self.bias = _param(torch.empty(out_features)) if bias else None
+        self.packed: torch.Tensor | None = None     # cpu.pack's buffer (pack()), not a parameter
+        self._packed_key: tuple | None = None
         self.param_dtypes = {"qweight": self.qweight.dtype, "scales": torch.float16, "zeros": torch.float16}
 
     @classmethod
@@ -53,6 +55,28 @@ class QuantLinear(nn.Module):
         mod.bias = None if bias is None else _param(bias)
         return mod
 
+    def pack(self) -> torch.Tensor | None:
+        """The packed copy of int8 groups of 32 for the CPU kernels (backend/quant/cpu.py ``pack``),
+        made again whenever ``qweight`` / ``scales`` were replaced or written since (the loader
+        fills them after construction); None where no packed layout applies."""
+        if self.qweight.device.type != "cpu" or self.qweight.is_meta:
+            return None
+        key = (self.qweight.data_ptr(), self.qweight._version, self.scales.data_ptr(), self.scales._version)
+        if key != self._packed_key:
+            from backend.quant import cpu
+            self.packed, self._packed_key = cpu.pack(self.method, self.qweight, self.scales, self.group_size,
+                                                     self.in_features), key
+        return self.packed
+
+    def c_weight(self) -> tuple[int, int]:
+        """(weight address, G) for w8_gemm / w4_gemm: the packed buffer with cpu.PACKED_G where there
+        is one, else ``qweight`` and the group size (the fused step's QW)."""
+        from backend.quant import cpu
+        packed = self.pack()
+        if packed is not None:
+            return packed.data_ptr(), cpu.PACKED_G
+        return self.qweight.data_ptr(), self.group_size
+
     def quant_weight(self) -> QuantWeight:
         return QuantWeight(self.method, self.qweight, self.scales, self.zeros, self.group_size, self.in_features)
 
@@ -63,7 +87,8 @@ class QuantLinear(nn.Module):
             from backend.quant import cpu
             if cpu.library() is not None:
                 y = cpu.gemm(x2.float(), self.method, self.qweight, self.scales, self.zeros,
-                             self.group_size, k, None if self.bias is None else self.bias.float())
+                             self.group_size, k, None if self.bias is None else self.bias.float(),
+                             packed=self.pack())
                 return y.to(x.dtype).reshape(*lead, -1)
         elif x.device.type == "cuda":
             import kernels

@@ -72,12 +72,60 @@ def test_cpu_gemm_strided_rows_and_threads():
         torch.set_num_threads(before)
 
 
-def test_quantization_error_is_bounded():
-    """int8 per channel: |W - dq| <= scale / 2; int4: within half a grid step of each group."""
+def _plain_int8(w: torch.Tensor, group: int) -> torch.Tensor:
+    """absmax / 127 scales, no search: what the searched scales must not do worse than."""
+    n, k = w.shape
+    wg = torch.nn.functional.pad(w, (0, -k % group)).view(n, -1, group)
+    s = (wg.abs().amax(-1, keepdim=True) / 127).half().float()
+    return (torch.round(wg / s.clamp_min(1e-30)).clamp(-127, 127) * s).view(n, -1)[:, :k]
+
+
+@pytest.mark.parametrize("group", [None, 32, 48])
+def test_quantization_error_is_bounded(group):
+    """int8: the searched scale's squared error per group is at most absmax / 127's; unclipped
+    values are within scale / 2, clipped ones (|w| > 127 s) at most 5 % of the group's absmax
+    (the grid starts at 0.95)."""
     torch.manual_seed(2)
     w = torch.randn(64, 100)
-    q8 = layout.quantize_int8(w)
-    assert ((layout.dequantize(q8) - w).abs() <= q8.scales.float() / 2 + 1e-6).all()
+    w[3, :40] = 0                                  # an all-zero group: scale 0, q 0
+    q8 = layout.quantize_int8(w, group)
+    g = q8.group_size
+    s = q8.scales.float().repeat_interleave(g, 1)[:, :100]
+    dq, plain = layout.dequantize(q8), _plain_int8(w, g)
+    err = lambda d: torch.nn.functional.pad((d - w).square(), (0, -100 % g)).view(64, -1, g).sum(-1)  # noqa: E731
+    assert (err(dq) <= err(plain) * (1 + 1e-5) + 1e-12).all() and err(dq).sum() < err(plain).sum()
+    inside = w.abs() <= 127 * s
+    assert ((dq - w).abs()[inside] <= s[inside] / 2 + 1e-6).all()
+    amax = torch.nn.functional.pad(w.abs(), (0, -100 % g)).view(64, -1, g).amax(-1).repeat_interleave(g, 1)[:, :100]
+    assert ((dq - w).abs()[~inside] <= 0.0501 * amax[~inside]).all()
+    assert (q8.qweight[3, :32] == 0).all() and (dq[3, :32] == 0).all()
+
+
+@pytest.mark.parametrize("shape,group", [((70, 576), 32), ((9, 100), 32), ((5, 77), 77), ((3, 40), 64)])
+def test_int8_quantize_c_equals_reference(shape, group):
+    """csrc/w8_quantize.c runs layout.quantize_int8's scale search: the same scales and bytes."""
+    torch.manual_seed(7)
+    w = torch.randn(*shape) * 0.05
+    w[0, :32] = 0
+    a, b = layout.quantize_int8(w, group), layout.quantize_int8(w, group, reference=True)
+    assert a.scales.equal(b.scales) and a.qweight.equal(b.qweight)
+
+
+def test_int8_quantize_keeps_q8_0_blocks():
+    """A group that already is q * d with max|q| = 127 (a GGUF Q8_0 block) keeps d and q exactly."""
+    torch.manual_seed(8)
+    q = torch.randint(-127, 128, (16, 64), dtype=torch.int8)
+    q[:, ::32] = 127
+    d = (torch.rand(16, 2) * 0.01 + 1e-3).half()
+    w = q.float() * d.float().repeat_interleave(32, 1)
+    got = layout.quantize_int8(w, 32)
+    assert got.scales.equal(d) and got.qweight.equal(q)
+
+
+def test_int4_quantization_error_is_bounded():
+    """int4: within half a grid step of each group."""
+    torch.manual_seed(2)
+    w = torch.randn(64, 100)
     q4 = layout.quantize_int4(w, 32)
     step = q4.scales.float().repeat_interleave(32, 1)[:, :100]
     assert ((layout.dequantize(q4) - w).abs() <= step / 2 + 2e-3 * w.abs().max()).all()

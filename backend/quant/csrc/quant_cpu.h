@@ -8,6 +8,7 @@
  *   w8_a16.c    int8 x int16 activations, M >= a16_min_m (AVX2 vpmaddwd tiles)
  *   w8_gemv.c   int8 x int16 activations at 1 and 2 rows (decode at 1-2 streams)
  *   w8_avx512.c int8 in groups of 32 x int16 activations, 512-bit (AVX-512BW hosts), any row count
+ *   w8_packed.c int8 in groups of 32 on a layout packed at load (16 columns per vector), M >= 2
  *   w4.c        int4 (weight-only loops, dequantize)
  *
  * Layouts (backend/quant/layout.py):
@@ -99,6 +100,21 @@ void w8_gemv_a16(const float *x, int64_t K, const int8_t *w, const uint16_t *sca
 void w8_gemv2_a16(const float *x, int64_t ldx, int64_t K, const int8_t *w, const uint16_t *scales,
                   const float *bias, int64_t N, float *y, int64_t ldy, int nthreads);   /* M = 2 */
 #endif
+/* The packed int8 layout (w8_packed.c): w8_gemm's ``w`` with G = W8_PACKED_G points to this header,
+ * followed by the packed weights and fp32 scales. */
+#define W8_PACKED_G (-32)
+typedef struct {
+    int64_t N, K;
+    const int8_t *w;              /* the row-major weight and fp16 scales it was packed from (GEMVs) */
+    const uint16_t *scales;
+    int64_t pad[4];               /* 64 bytes: the packed weights start cache-line aligned */
+} w8p_hdr;
+static inline int8_t *w8p_weights(const w8p_hdr *h) { return (int8_t *)h + sizeof(w8p_hdr); }
+static inline float *w8p_scales(const w8p_hdr *h) {
+    return (float *)(w8p_weights(h) + (h->N + 15) / 16 * 16 * h->K);
+}
+void w8_gemm_packed(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *buf, const float *bias,
+                    int64_t N, float *y, int64_t ldy, int nthreads);
 int w8_has_avx512(void);     /* 1 where w8_avx512.c was built with AVX-512BW */
 void w8_gemm_g32_z(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *w, const uint16_t *scales,
                    const float *bias, int64_t N, float *y, int64_t ldy, int nthreads);

@@ -5,7 +5,16 @@
 static int64_t a16_min_m = 5;        /* backend/quant/cpu.py sets it at load */
 void w8_set_a16_min_m(int64_t m) { a16_min_m = m; }   /* 0: never (weight-only loops for every M) */
 int64_t w8_a16_min_m(void) { return a16_min_m; }
+static int64_t packed_min_m = 2;     /* packed layout from this many rows (backend/quant/cpu.py sets it) */
+void w8_set_packed_min_m(int64_t m) { packed_min_m = m; }
+int64_t w8_packed_min_m(void) { return packed_min_m; }
 #else
+void w8_set_packed_min_m(int64_t m) { (void)m; }
+int64_t w8_packed_min_m(void) { return 0; }
+int64_t w8_packed_bytes(int64_t N, int64_t K) { (void)N; (void)K; return 0; }   /* no packed layout */
+void w8_pack_g32(const int8_t *w, const uint16_t *scales, int64_t N, int64_t K, uint8_t *buf) {
+    (void)w; (void)scales; (void)N; (void)K; (void)buf;
+}
 void w8_set_a16_min_m(int64_t m) { (void)m; }
 int64_t w8_a16_min_m(void) { return 0; }
 void w8_gemm_a16(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *w, const uint16_t *scales,
@@ -18,6 +27,16 @@ void w8_gemm_a16(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t
  * a16_min_m rows on (AVX2 builds; tolerance in docs/quantization.md), else weight-only. */
 void w8_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *w, const uint16_t *scales,
              int64_t G, const float *bias, int64_t N, float *y, int64_t ldy, int nthreads) {
+    if (G == W8_PACKED_G) {        /* w8_pack_g32's buffer (only packed where the build has AVX2) */
+        const w8p_hdr *h = (const w8p_hdr *)w;
+#ifdef __AVX2__
+        if (a16_min_m > 0 && packed_min_m > 0 && M >= packed_min_m) {
+            w8_gemm_packed(x, M, K, ldx, (const uint8_t *)w, bias, N, y, ldy, nthreads);
+            return;
+        }
+#endif
+        w = h->w, scales = h->scales, G = 32;       /* the row-major copy: GEMVs, weight-only loops */
+    }
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     if (a16_min_m > 0 && G == 32 && K % 32 == 0 && M >= 1) {
         /* groups of 32 on AVX-512BW: the 512-bit int16-activation kernels at every row count */
