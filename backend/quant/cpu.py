@@ -71,6 +71,7 @@ def library():
     lib.w8_pack_g32.argtypes, lib.w8_pack_g32.restype = [_P, _P, _I, _I, _P], None
     lib.w8_set_packed_min_m(PACKED_MIN_M)
     lib.w8_quantize.argtypes, lib.w8_quantize.restype = [_P, _I, _I, _I, _P, _P, _C], None
+    lib.w8_gemm_cols.argtypes, lib.w8_gemm_cols.restype = [_P, _I, _I, _I, _P, _P, _I, _P, _I, _P, _I, _I, _I], None
     lib.w4_gemm.argtypes = [_P, _I, _I, _I, _P, _P, _P, _I, _P, _I, _P, _I, _C]
     lib.w8_dequant.argtypes = [_P, _P, _I, _I, _I, _P, _C]
     lib.w4_dequant.argtypes = [_P, _P, _P, _I, _I, _I, _P, _C]

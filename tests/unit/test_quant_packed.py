@@ -68,6 +68,25 @@ def test_packed_threads_strides_and_switches():
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("m", [1, 2, 5, 16])
+@pytest.mark.parametrize("packed", [True, False])
+def test_column_slices_give_w8_gemm_bits(m, packed):
+    """w8_gemm_cols (a caller's pool hands out column slices, one thread each): every slice's
+    outputs equal w8_gemm's bits, packed or row-major, at every row count."""
+    lib = cpu.library()
+    n, k = 100, 576
+    x, bias, qw, _ = _case(m, n, k, 3 + m)
+    buf = cpu.pack("int8", qw.qweight, qw.scales, 32, k) if packed else None
+    w, g = (buf.data_ptr(), cpu.PACKED_G) if packed else (qw.qweight.data_ptr(), 32)
+    whole = torch.empty(m, n)
+    lib.w8_gemm(x.data_ptr(), m, k, k, w, qw.scales.data_ptr(), g, bias.data_ptr(), n, whole.data_ptr(), n, 2)
+    y = torch.full((m, n), float("nan"))
+    for n0, n1 in [(0, 16), (16, 48), (48, 96), (96, 200)]:
+        lib.w8_gemm_cols(x.data_ptr(), m, k, k, w, qw.scales.data_ptr(), g, bias.data_ptr(), n, y.data_ptr(), n,
+                         n0, n1)
+    assert torch.equal(y, whole)
+
+
 def test_quant_linear_packs_and_repacks():
     """QuantLinear packs int8 groups of 32 on first use and again after its weight is written (the
     loader fills parameters after construction); per channel, int4 and K % 32 != 0 stay unpacked."""

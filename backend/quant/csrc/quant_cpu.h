@@ -114,7 +114,7 @@ static inline float *w8p_scales(const w8p_hdr *h) {
     return (float *)(w8p_weights(h) + (h->N + 15) / 16 * 16 * h->K);
 }
 void w8_gemm_packed(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *buf, const float *bias,
-                    int64_t N, float *y, int64_t ldy, int nthreads);
+                    int64_t N, float *y, int64_t ldy, int64_t n0, int64_t n1, int nthreads);
 int w8_has_avx512(void);     /* 1 where w8_avx512.c was built with AVX-512BW */
 void w8_gemm_g32_z(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *w, const uint16_t *scales,
                    const float *bias, int64_t N, float *y, int64_t ldy, int nthreads);

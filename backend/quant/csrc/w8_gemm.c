@@ -31,7 +31,7 @@ void w8_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *w,
         const w8p_hdr *h = (const w8p_hdr *)w;
 #ifdef __AVX2__
         if (a16_min_m > 0 && packed_min_m > 0 && M >= packed_min_m) {
-            w8_gemm_packed(x, M, K, ldx, (const uint8_t *)w, bias, N, y, ldy, nthreads);
+            w8_gemm_packed(x, M, K, ldx, (const uint8_t *)w, bias, N, y, ldy, 0, N, nthreads);
             return;
         }
 #endif
@@ -55,4 +55,26 @@ void w8_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *w,
     }
 #endif
     w8_gemm_f32a(x, M, K, ldx, w, scales, G, bias, N, y, ldy, nthreads);
+}
+
+/* Columns [n0, n1) of w8_gemm's y, on the calling thread (no OpenMP region): for a caller with its
+ * own worker pool (the fused step hands out column slices; n0 a multiple of 16). Each output gets
+ * the bits w8_gemm gives it: every kernel computes an output independently of its neighbours, and
+ * activation rows are rounded to int16 the same way whatever the slice. */
+void w8_gemm_cols(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *w, const uint16_t *scales,
+                  int64_t G, const float *bias, int64_t N, float *y, int64_t ldy, int64_t n0, int64_t n1) {
+    if (n1 > N) n1 = N;
+    if (n0 >= n1) return;
+    if (G == W8_PACKED_G) {
+        const w8p_hdr *h = (const w8p_hdr *)w;
+#ifdef __AVX2__
+        if (a16_min_m > 0 && packed_min_m > 0 && M >= packed_min_m) {
+            w8_gemm_packed(x, M, K, ldx, (const uint8_t *)w, bias, N, y, ldy, n0, n1, 1);
+            return;
+        }
+#endif
+        w = h->w, scales = h->scales, G = 32;
+    }
+    const int64_t ng = (K + G - 1) / G;
+    w8_gemm(x, M, K, ldx, w + n0 * K, scales + n0 * ng, G, bias ? bias + n0 : NULL, n1 - n0, y + n0, ldy, 1);
 }

@@ -172,34 +172,41 @@ P_TILE(1, 1) P_TILE(2, 1)
 static const p_tile_fn P_FN[P_MR][P_NB] = {{p_tile_1_1}, {p_tile_2_1}};
 #endif
 
-/* y [M, N] = x [M, K] . W^T (+ bias) from the packed buffer; any M >= 1. */
+/* Columns of blocks [b_lo, b_hi) of y from xq (int16 rows, scales sx), on the calling thread. */
+static void p_blocks(const int16_t *xq, int64_t ldq, const float *sx, int64_t M, int64_t K, const int8_t *wp,
+                     const float *sp, const float *bias, int64_t N, float *y, int64_t ldy, int64_t b_lo, int64_t b_hi) {
+    int64_t ng = K / 32, mb = (P_X_BYTES / (2 * ldq)) / P_MR * P_MR;   /* activation rows per L2 panel */
+    if (mb < P_MR) mb = P_MR;
+    for (int64_t m_lo = 0; m_lo < M; m_lo += mb) {
+        int64_t m_hi = m_lo + mb < M ? m_lo + mb : M;
+        for (int64_t b0 = b_lo; b0 < b_hi; b0 += P_NB) {             /* P_NB blocks stay in L1/L2 ... */
+            int nbk = b_hi - b0 < P_NB ? (int)(b_hi - b0) : P_NB;
+            for (int64_t m0 = m_lo; m0 < m_hi; m0 += P_MR) {           /* ... for every activation tile */
+                int mr = m_hi - m0 < P_MR ? (int)(m_hi - m0) : P_MR;
+                P_FN[mr - 1][nbk - 1](xq + m0 * ldq, ldq, wp + b0 * 16 * K, sp + b0 * ng * 16, K, sx + m0, bias,
+                                      16 * b0, N, y + m0 * ldy, ldy);
+            }
+        }
+    }
+}
+
+/* y [M, N] = x [M, K] . W^T (+ bias) from the packed buffer, columns [n0, n1) (n0 a multiple of 16,
+ * n1 <= N), on nthreads OpenMP threads (1: none); any M >= 1. Each output's arithmetic does not
+ * depend on the column range or the threads. */
 void w8_gemm_packed(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *buf, const float *bias,
-                    int64_t N, float *y, int64_t ldy, int nthreads) {
+                    int64_t N, float *y, int64_t ldy, int64_t n0, int64_t n1, int nthreads) {
     const w8p_hdr *h = (const w8p_hdr *)buf;
-    const int8_t *wp = w8p_weights(h);
-    const float *sp = w8p_scales(h);
-    int64_t ng = K / 32, ldq = K, nb = (N + 15) / 16;
+    int64_t ldq = K, b_first = n0 / 16, nb = (n1 + 15) / 16 - b_first;
+    if (nb <= 0) return;
     int16_t *xq = aligned_alloc(64, (size_t)((M * ldq * 2 + 63) & ~(int64_t)63));
     float *sx = malloc((size_t)M * sizeof(float));
     a16_quantize(x, ldx, M, K, a16_q(K), xq, ldq, sx, nthreads);
     int64_t bpt = ((nb + nthreads - 1) / nthreads + P_NB - 1) / P_NB * P_NB;   /* blocks per thread */
     int64_t nchunks = (nb + bpt - 1) / bpt;
-    int64_t mb = (P_X_BYTES / (2 * ldq)) / P_MR * P_MR;            /* activation rows per L2 panel */
-    if (mb < P_MR) mb = P_MR;
-    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    #pragma omp parallel for num_threads(nthreads) schedule(static) if (nchunks > 1)
     for (int64_t t = 0; t < nchunks; t++) {
-        int64_t b_lo = t * bpt, b_hi = b_lo + bpt < nb ? b_lo + bpt : nb;
-        for (int64_t m_lo = 0; m_lo < M; m_lo += mb) {
-            int64_t m_hi = m_lo + mb < M ? m_lo + mb : M;
-            for (int64_t b0 = b_lo; b0 < b_hi; b0 += P_NB) {         /* P_NB blocks stay in L1/L2 ... */
-                int nbk = b_hi - b0 < P_NB ? (int)(b_hi - b0) : P_NB;
-                for (int64_t m0 = m_lo; m0 < m_hi; m0 += P_MR) {       /* ... for every activation tile */
-                    int mr = m_hi - m0 < P_MR ? (int)(m_hi - m0) : P_MR;
-                    P_FN[mr - 1][nbk - 1](xq + m0 * ldq, ldq, wp + b0 * 16 * K, sp + b0 * ng * 16, K, sx + m0, bias,
-                                          16 * b0, N, y + m0 * ldy, ldy);
-                }
-            }
-        }
+        int64_t b_lo = b_first + t * bpt, b_hi = b_lo + bpt < b_first + nb ? b_lo + bpt : b_first + nb;
+        p_blocks(xq, ldq, sx, M, K, w8p_weights(h), w8p_scales(h), bias, n1, y, ldy, b_lo, b_hi);
     }
     free(xq);
     free(sx);
