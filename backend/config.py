@@ -10,9 +10,10 @@ The parts, each taken by what uses it:
 - ``LoRAConfig``: adapter slots and the adapters registered at start: the runner's LoRA registry.
 
 Users see one flat set of options, each a leaf field of one part (names are unique across parts):
-``--engine-option KEY=VALUE``, ``LLM(**options)``, and the ``parameters`` of
-model_repository/engine/config.pbtxt (strings; tests/unit/test_serving_config.py checks that file
-field by field). ``EngineArgs(**options)`` and ``EngineArgs.from_dict`` route each to its part.
+``--engine-option KEY=VALUE``, ``LLM(**options)``, and the ``parameters`` of the engine model's
+config.pbtxt (strings), which backend/serving/engine_parameters.py generates from these dataclasses
+(each part's docstring its heading). ``EngineArgs(**options)`` and ``EngineArgs.from_dict`` route
+each to its part.
 To add an option: docs/contributing.md.
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ from common.env import parse_bool
 
 @dataclass
 class EngineConfig:
+    """The model, the KV pool and its tiers, the scheduler's budget, speculative decoding."""
     block_size: int = 16                          # tokens per KV block (the prefix cache's unit)
     kv_cache_memory: int = 256 * 1024 * 1024      # bytes for the device KV pool
     num_kv_blocks: int | None = None              # overrides kv_cache_memory when set
@@ -61,6 +63,7 @@ class EngineConfig:
 
 @dataclass
 class ServingConfig:
+    """The response thread's stream intervals and hold, the drain on unload."""
     stream_interval: float = 0.0                  # seconds the response thread gathers a stream's tokens
                                                   # into one response (0 = each step)
     busy_stream_interval: float = 0.05            # while >= 16 requests are open, a stream's tokens that come
@@ -76,7 +79,7 @@ class ServingConfig:
 
 @dataclass
 class TenancyConfig:
-    # backend/engine/fairness.py, docs/serving.md "Tenants and trust"
+    """Per-tenant limits, priority aging, cache salts (backend/engine/fairness.py, docs/serving.md)."""
     max_running_per_tenant: int = 0               # sequences one tenant may run at once (0 = no limit)
     max_waiting_per_tenant: int = 0               # requests one tenant may queue (0 = no limit): queue_full past it
     priority_aging_s: float = 5.0                 # a waiting request gains one priority level per this many s (0 = off)
@@ -85,7 +88,7 @@ class TenancyConfig:
 
 @dataclass
 class DisaggConfig:
-    # prefill/decode disaggregation: backend/disagg, docs/disaggregation.md
+    """Prefill/decode disaggregation, the role and the KV connector (backend/disagg, docs/disaggregation.md)."""
     role: str = "unified"                         # unified | prefill | decode
     kv_connector: str = "shm"                     # shm (one host) | tcp
     kv_connector_host: str = "127.0.0.1"          # tcp: where the prefill side serves staged KV
@@ -108,7 +111,7 @@ class DisaggConfig:
 
 @dataclass
 class LoRAConfig:
-    # multi-LoRA serving: backend/lora, docs/lora.md
+    """Multi-LoRA serving, adapter slots and the adapters registered at start (backend/lora, docs/lora.md)."""
     max_loras: int = 0                            # adapters resident at once (LRU of idle ones evicted); 0 = LoRA off
     max_lora_rank: int = 64                       # adapters of a higher rank are refused
     lora_modules: str | dict | None = None        # adapters registered at start: JSON {"name": "dir", ...} (serve --lora)

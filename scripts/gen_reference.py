@@ -363,9 +363,10 @@ def render() -> str:
              "## Engine options", "",
              "`backend/config.py`: one dataclass per concern (the parts below; each consumer takes its part),",
              "one flat set of names. Give them as `--engine-option KEY=VALUE` to `triton-llm serve`",
-             "(repeatable), as keyword arguments of `LLM(...)`, or as `parameters` of",
-             "`model_repository/engine/config.pbtxt` (strings, parsed by `EngineArgs.from_dict`; booleans:",
-             "`true`/`false`, `1`/`0`, `yes`/`no`, `on`/`off`).", ""]
+             "(repeatable), as keyword arguments of `LLM(...)`, or as `parameters` of the engine model's",
+             "`config.pbtxt`, which the generated repository lists in full (`backend/serving/engine_parameters.py`;",
+             "strings, parsed by `EngineArgs.from_dict`; booleans: `true`/`false`, `1`/`0`, `yes`/`no`, `on`/`off`).",
+             ""]
     part = None
     for p, name, typ, default, meaning in engine_options():
         if p != part or part is None:

@@ -4,12 +4,13 @@ Each template ``config.pbtxt`` declares every parameter it understands with a de
 
     parameters: { key: "model_dir" value: { string_value: "" } }
 
-Generating fills ``model_dir`` in every model that declares it, writes engine options into the
-``engine`` model's parameters (an option the template does not declare is an error, so a typo in
-``--engine-option`` fails here rather than being ignored), writes the engine's context window
-(backend/context.py) into ``preprocessing``'s ``context_window`` so both validate against the same
-number, writes what the engine's weights will be (dtype, quantization, bytes: backend/quant/apply.py
-reported_parameters) into its ``weights_*`` parameters, and optionally changes instance counts.
+Generating fills ``model_dir`` in every model that declares it, appends every engine option to the
+``engine`` model's parameters (engine_parameters.py, from backend/config.py: the template lists none;
+an unknown option is an error, so a typo in ``--engine-option`` fails here rather than being
+ignored), writes the engine's context window (backend/context.py) into ``preprocessing``'s
+``context_window`` so both validate against the same number, writes what the engine's weights will
+be (dtype, quantization, bytes: backend/quant/apply.py reported_parameters) into its ``weights_*``
+parameters, and optionally changes instance counts.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import shutil
 from backend import protocol as P
 from backend.config import EngineArgs, option_names
 from backend.context import context_window_for
+from backend.serving.engine_parameters import engine_parameters
 
 TEMPLATES = pathlib.Path(__file__).resolve().parents[2] / "model_repository"
 
@@ -110,11 +112,10 @@ def generate_repository(dst: pathlib.Path, model_dir: str | pathlib.Path, *,
             window = context_window_for(model_dir, engine_args(src, engine_options).engine)
             cfg = set_parameter(cfg, P.CONTEXT_WINDOW, str(window))
         if name == P.ENGINE:
-            for key, value in engine_options.items():
-                try:
-                    cfg = set_parameter(cfg, key, value)
-                except KeyError:
-                    raise ValueError(f"engine option {key!r} is not declared in {src / name / 'config.pbtxt'}") from None
+            if listed := [k for k in declared_parameters(cfg) if k in option_names()]:
+                raise ValueError(f"{src / name / 'config.pbtxt'} lists engine options {listed}: they are "
+                                 "generated from backend/config.py (backend/serving/engine_parameters.py)")
+            cfg = cfg.rstrip("\n") + "\n\n" + engine_parameters(engine_options)
             if P.WEIGHT_BYTES in declared_parameters(cfg):     # what the weights are, for /v1/models
                 from backend.quant.plan import reported_parameters
                 for key, value in reported_parameters(model_dir, engine_args(src, engine_options).engine).items():

@@ -2,13 +2,17 @@
 from __future__ import annotations
 
 import math
-from dataclasses import fields
+import shutil
+from dataclasses import dataclass, fields
 
 import pytest
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
 
 from backend import protocol as P
 from backend.config import PARTS, EngineArgs, EngineConfig, option_names
 from backend.context import context_window_for
+from backend.serving.engine_parameters import engine_parameters, part_heading
 from backend.errors import EngineError, ErrorKind
 from backend.serving.repository import (TEMPLATES, declared_parameters, generate_repository,
                                         parse_engine_options, set_instance_count, set_parameter)
@@ -80,20 +84,56 @@ def test_context_window_is_clamped_by_the_kv_pool(tiny_model):
         context_window_for(tiny_model, EngineConfig(max_model_len=cfg_len + 1))
 
 
-def test_the_engine_config_declares_every_option_in_field_order_at_its_default():
-    """model_repository/engine/config.pbtxt lists every option of backend/config.py, part by part in
-    field order, each at its default as from_dict reads it; besides them only model_dir and the
-    weights parameters (a test hook such as fault injection is no option)."""
-    declared = declared_parameters((TEMPLATES / "engine" / "config.pbtxt").read_text())
+def test_the_generated_engine_config_lists_every_option_under_its_part_at_its_default(tmp_path):
+    """The engine template lists no option: generate_repository() appends every option of
+    backend/config.py (backend/serving/engine_parameters.py), part by part in field order under a
+    comment naming the part, each at its default as from_dict reads it back, an --engine-option in
+    place of its default; Triton's own parser reads the result."""
+    template = (TEMPLATES / "engine" / "config.pbtxt").read_text()
     names = option_names()
+    assert not set(declared_parameters(template)) & set(names)
+    repo = generate_repository(tmp_path / "repo", model_dir("tiny"), models=["engine"],
+                               engine_options={"role": "decode", "drain_file": 'd "q" \\ 你'})
+    text = (repo / "engine" / "config.pbtxt").read_text()
+    declared = declared_parameters(text)
     assert [k for k in declared if k in names] == list(names)
     assert set(declared) - set(names) == {"model_dir", *P.WEIGHTS_PARAMS}
+    assert (declared["role"], declared["drain_file"]) == ("decode", 'd "q" \\ 你')
+    cfg = text_format.Parse(text, mc.ModelConfig())
+    assert {k: v.string_value for k, v in cfg.parameters.items()} == declared
+    heading, under = None, {}
+    for line in text.splitlines():
+        if line.startswith("# ") and line[2:].split(":")[0] in {c.__name__ for c in PARTS.values()}:
+            heading = line[2:].split(":")[0]
+        elif (key := next(iter(declared_parameters(line)), None)) in names:
+            under[key] = heading
+    assert under == {k: PARTS[part].__name__ for k, part in names.items()}
     for part, cls in PARTS.items():
         for f in fields(cls):
-            text = "" if f.default is None else str(f.default).lower() if isinstance(f.default, bool) else str(f.default)
-            assert declared[f.name] == text, f.name
-            assert getattr(getattr(EngineArgs.from_dict({f.name: text}), part), f.name) == f.default, f.name
-    assert EngineArgs.from_dict({k: declared[k] for k in names}) == EngineArgs()
+            if f.name in ("role", "drain_file"):
+                continue
+            want = "" if f.default is None else str(f.default).lower() if isinstance(f.default, bool) else str(f.default)
+            assert declared[f.name] == want, f.name
+            assert getattr(getattr(EngineArgs.from_dict({f.name: want}), part), f.name) == f.default, f.name
+    defaults = declared_parameters(engine_parameters())
+    assert list(defaults) == list(names) and EngineArgs.from_dict(defaults) == EngineArgs()
+
+
+def test_engine_options_in_a_template_or_unknown_ones_are_refused(tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(TEMPLATES / "engine", src / "engine")
+    cfg = src / "engine" / "config.pbtxt"
+    cfg.write_text(cfg.read_text() + 'parameters: { key: "block_size", value: { string_value: "8" } }\n')
+    with pytest.raises(ValueError, match=r"lists engine options \['block_size'\]: they are generated"):
+        generate_repository(tmp_path / "repo", model_dir("tiny"), models=["engine"], src=src)
+    with pytest.raises(ValueError, match="unknown engine option.*'blok'"):
+        generate_repository(tmp_path / "repo", model_dir("tiny"), models=["engine"], engine_options={"blok": "1"})
+
+    @dataclass
+    class Undocumented:                                  # dataclass makes up a docstring: no heading
+        x: int = 0
+    with pytest.raises(ValueError, match="Undocumented has no docstring"):
+        part_heading(Undocumented)
 
 
 def test_flat_options_reach_their_part_and_bad_ones_are_named():
