@@ -26,6 +26,7 @@ import pathlib
 
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
+from starlette.concurrency import run_in_threadpool
 
 from client.chat.context import ContextBuilder, TokenCounter
 from client.chat.router import build_router, install_error_handlers
@@ -101,11 +102,14 @@ def mount_chat(app, settings=None) -> ChatStore:
 
 
 def preload_at_startup(app, counters: list, model_dir) -> None:
-    """Load the token counter in the app's startup, before it serves, and freeze what the process
-    holds by then. Loaded on a tenant's first message instead, parsing tokenizer.json (tokenizers'
-    ``from_file``, ~0.1 s) held the GIL and stalled every other request on the shim's event loop for
-    as long; and the ~100k objects of the imports made each full GC pass tens of ms of stalled loop,
-    which ``gc.freeze`` takes out of every later pass (they live as long as the process)."""
+    """Do in the app's startup, before it serves, what a tenant's first chat requests would
+    otherwise do on the shim's event loop, stalling every other request there:
+    - load the token counter (parsing tokenizer.json holds the GIL ~0.1 s);
+    - route one request into /api (FastAPI builds a router's route state, its dependants and
+      validators, on the first request that reaches it: ~25-40 ms), and start the thread pool the
+      routes hand SQLite to (its first use imports anyio's backend);
+    then freeze what the process holds: the ~100k objects of the imports made each full GC pass
+    tens of ms of stalled loop, which ``gc.freeze`` takes out of every later pass."""
     inner = app.router.lifespan_context
 
     @contextlib.asynccontextmanager
@@ -114,9 +118,33 @@ def preload_at_startup(app, counters: list, model_dir) -> None:
             counters.append(await asyncio.to_thread(TokenCounter, str(model_dir) if model_dir else None))
         except Exception as exc:                      # noqa: BLE001 -- the first chat message says it
             log.warning("chat token counter not loaded at startup: %s", exc)
+        try:
+            await route_once(a, "/api/conversations")
+            await run_in_threadpool(bool)
+        except Exception as exc:                      # noqa: BLE001 -- the first request does it then
+            log.warning("chat routes not prepared at startup: %s", exc)
         gc.collect()
         gc.freeze()
         async with inner(a) as state:
             yield state
 
     app.router.lifespan_context = lifespan
+
+
+async def route_once(app, path: str) -> int:
+    """Send ``OPTIONS path`` through ``app`` in process and return its status. No route answers
+    OPTIONS, so the router matches every route it holds and answers 405: its route state gets
+    built, and no endpoint, dependency or key check runs."""
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "OPTIONS",
+             "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+             "root_path": "", "headers": [], "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 0)}
+    await app(scope, receive, send)
+    return next((m["status"] for m in sent if m["type"] == "http.response.start"), 0)

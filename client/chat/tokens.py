@@ -37,17 +37,20 @@ class TokenCounter:
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             return list(text.encode())[::3]
-        # The Rust tokenizer's own encode releases the GIL while it works; transformers' __call__
-        # (its batch path) held it ~12 ms per 100k characters, a stall of the shim's event loop
-        # for each long message counted. Same ids (tests/unit/test_chat_tokens.py).
-        return self.tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
+        # The Rust tokenizer's encode_batch releases the GIL while it works; its plain encode holds
+        # it throughout (~65 ms for a 100k-character reply: the shim's event loop stalled as long,
+        # though the count ran on a worker thread). Same ids (tests/unit/test_chat_tokens.py).
+        return self.tokenizer.backend_tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
 
     def tail(self, text: str, max_tokens: int) -> str:
         """The end of ``text`` that fits in ``max_tokens`` tokens."""
         if self.tokenizer is None:
             return text.encode()[-3 * max_tokens:].decode(errors="ignore")
         ids = self.encode(text)
-        return text if len(ids) <= max_tokens else self.tokenizer.decode(ids[-max_tokens:])
+        if len(ids) <= max_tokens:
+            return text
+        # decode_batch releases the GIL too (decode holds it, a few ms for a window's worth)
+        return self.tokenizer.backend_tokenizer.decode_batch([ids[-max_tokens:]], skip_special_tokens=False)[0]
 
     def _render_tokens(self, messages: list[dict], add_generation_prompt: bool) -> int:
         if not messages:
