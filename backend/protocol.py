@@ -97,7 +97,7 @@ def _str1(name: str, optional: bool = False) -> TensorSpec:
 
 
 PROMPT_INPUTS = (_str1(TEXT_INPUT, optional=True), _str1(MESSAGES, optional=True))
-# The engine's outputs, in the order engine_outputs() builds them (backend/serving/responses.py).
+# The engine's outputs, in the order engine_outputs() builds them (backend/serving/postprocess.py).
 # The first eleven are token-level (what postprocessing takes); the last two are the same response
 # detokenized in the engine, which the ensemble returns directly (no postprocessing hop per token).
 ENGINE_TOKEN_OUTPUTS = (_ids(OUTPUT_IDS), _ids(WINDOW_IDS), _int1(NUM_SENT), _int1(MAX_CHARS),

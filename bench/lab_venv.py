@@ -5,7 +5,7 @@ The stubs' embedded interpreter ignores PYTHONPATH; it takes ``sys.prefix`` from
 first on PATH (backend/serving/install.py) and runs that venv's ``.pth`` files. So the overlay's
 one ``.pth`` puts the checkout first on ``sys.path``, then adds this venv's site-packages (its
 packages and the project's editable finder, which the checkout now shadows), then attaches the
-lab's tracers to ``backend.timing`` when their environment asks (bench/ttft_trace.py).
+lab's tracer to the engine loop's hook when its environment asks (bench/ttft_trace.py).
 
     python -m bench.lab_venv [TREE]     # prints the overlay's python; start the stack with it
 """

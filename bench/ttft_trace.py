@@ -1,19 +1,15 @@
-"""Where a request's first token spends its time: an opt-in trace across the serving processes.
+"""Where a request's first token spends its time in the engine: an opt-in trace.
 
 Attached from outside the product: a stack started with the interpreter of ``python -m
 bench.lab_venv`` and ``LLM_TTFT_TRACE=<dir>`` in its environment (the stubs inherit tritonserver's)
-attaches ``record`` to ``backend.timing`` in every process, which records ``(request id, event, time.monotonic())`` at the hops of a
-request's way to its first token -- one clock for every process of the host -- and a daemon
-thread appends them as JSON lines to ``<dir>/<process>-<pid>.jsonl`` about every 0.2 s. Events:
+sets ``record`` as the engine loop's one hook (``backend.engine.engine_loop.trace``, None in the
+product), which records ``(request id, event, time.monotonic())`` -- one clock for every process
+of the host -- and a daemon thread appends them as JSON lines to ``<dir>/<process>-<pid>.jsonl``
+about every 0.2 s. A client may record its own ``client.send`` / ``client.tok0`` the same way.
+Events:
 
-    shim.recv        the shim's route handler starts (body parsed, key checked)
-    shim.grpc        the gRPC client hands the request to grpc (the stream is open)
-    pre.exec         preprocessing execute() starts    pre.done   its response is built
-    eng.exec         engine execute() has the request  eng.submit intake handed it to the loop
     loop.add         the engine thread applied the add loop.step0 the step that sampled token 1 started
-    loop.tok0        that step's deltas are ready      rt.send0   the response thread starts its send
-    rt.sent0         the first send() returned         shim.grpc0 the shim parsed the first response
-    shim.sse0        the first SSE write starts
+    loop.tok0        that step's deltas are ready
 
 ``report(dir)`` joins them per request id (a shim request's id is the ensemble's) and prints the
 median gap between consecutive events: ``python -m bench.ttft_trace <dir>``.
@@ -30,8 +26,7 @@ import threading
 import time
 
 ENV = "LLM_TTFT_TRACE"
-ORDER = ("client.send", "shim.recv", "shim.grpc", "pre.exec", "pre.done", "eng.exec", "eng.submit", "loop.add",
-         "loop.step0", "loop.tok0", "rt.send0", "rt.sent0", "shim.grpc0", "shim.sse0", "client.tok0")
+ORDER = ("client.send", "loop.add", "loop.step0", "loop.tok0", "client.tok0")
 
 _buf: collections.deque = collections.deque()
 _started = False
@@ -40,13 +35,13 @@ _dir: pathlib.Path | None = None
 
 
 def attach_from_env() -> None:
-    """Attach ``record`` to the product's hook when ``LLM_TTFT_TRACE`` names a directory."""
+    """Set ``record`` as the engine loop's hook when ``LLM_TTFT_TRACE`` names a directory."""
     global _dir
     if os.environ.get(ENV):
-        from backend import timing
+        from backend.engine import engine_loop
 
         _dir = pathlib.Path(os.environ[ENV])
-        timing.attach(record)
+        engine_loop.trace = record
 
 
 def record(rid: str, event: str, at: float | None = None) -> None:

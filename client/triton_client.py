@@ -28,7 +28,6 @@ from typing import AsyncIterator
 import numpy as np
 
 from backend import protocol as P
-from backend import timing
 from client.errors import (AbortedError, InternalError, InvalidRequestError, QueueFullError,
                            TritonLLMError, UnavailableError, error_from_grpc, error_from_message)
 from client.wire import Chunk, _input, parse_response, to_parameters
@@ -177,8 +176,6 @@ class TritonLLMClient:
             req = {"model_name": model, "inputs": inputs, "request_id": rid, "parameters": parameters}
             if outputs:
                 req["outputs"] = outputs
-            if timing.hook is not None:
-                timing.mark(rid, "shim.grpc")
             yield req
             await closed.wait()
 
@@ -206,8 +203,6 @@ class TritonLLMClient:
                     admitted = not isinstance(err, (InvalidRequestError, QueueFullError))
                     raise err
                 chunk = parse_response(result)
-                if timing.hook is not None:
-                    timing.mark(rid, "shim.grpc0")
                 if chunk.finish_reason == "abort":
                     finished.add(chunk.index)
                     raise AbortedError(f"the server aborted request {rid}")

@@ -32,7 +32,6 @@ from backend.errors import EngineError, internal, queue_full, unavailable
 from backend.outputs import STOP, StepDelta
 from backend.pooling_params import PoolingParams
 from backend.sampling_params import SamplingParams
-from backend import timing
 from common import env
 
 if TYPE_CHECKING:
@@ -64,6 +63,8 @@ class AbortRequest:
 _CRASH = object()            # tests: makes the engine thread raise (EngineLoop.inject_crash)
 IDLE_AUDIT_DELAY_S = 0.02     # the allocator audit runs once the loop has been idle this long
 FIRST_TOKEN_HANDOFF_S = 0.0001  # s the engine thread yields after dispatching a first token
+# A benchmark's hook (bench/ttft_trace.py), None in the product: (request id, event, monotonic time or None: now)
+trace: Callable[[str, str, float | None], None] | None = None
 
 
 @dataclass(slots=True)
@@ -86,9 +87,8 @@ def set_thread_nice(value: int | str) -> None:
 
 
 def _apply_engine_nice() -> None:
-    """On the engine thread: its nice value from ``TRITON_LLM_ENGINE_NICE`` when set (the engine
-    stub's default: the serving stack's other processes then preempt the step's pool worker, whose
-    chunks the engine thread takes over, instead of the engine thread itself)."""
+    """On the engine thread: its nice value from ``TRITON_LLM_ENGINE_NICE`` when set (the engine stub's default: the
+    stack's other processes then preempt the step's pool worker, whose chunks it takes over, not the engine thread)."""
     value = env.raw(ENGINE_NICE_ENV)
     if value:
         set_thread_nice(value)
@@ -98,8 +98,7 @@ class EngineLoop:
     def __init__(self, engine: StepEngine, *, name: str = "engine-loop", fairness: TenantFairness | None = None,
                  max_open_per_tenant: int = 0) -> None:
         self.engine = engine
-        # Tenant fairness (backend/engine/fairness.py): the scheduler's hook, and the per-tenant
-        # bound on open requests (running cap + waiting cap) checked here at submit.
+        # Tenant fairness (fairness.py): the scheduler's hook, and the per-tenant bound on open requests checked at submit
         self.fairness = fairness
         if fairness is not None:
             engine.scheduler.fairness = fairness
@@ -209,13 +208,13 @@ class EngineLoop:
                     self._dispatch(engine.step() if engine.has_unfinished() else [])
                     return
                 if engine.has_unfinished():
-                    t0 = time.monotonic() if timing.hook is not None else 0.0
+                    t0 = time.monotonic() if trace is not None else 0.0
                     deltas = engine.step()
-                    if timing.hook is not None:
+                    if trace is not None:
                         for d in deltas:
                             if d.new_token_ids:
-                                timing.mark(d.request_id, "loop.step0", t0)
-                                timing.mark(d.request_id, "loop.tok0")
+                                trace(d.request_id, "loop.step0", t0)
+                                trace(d.request_id, "loop.tok0", None)
                     self._publish()            # before the sinks, which may take their time
                     self._dispatch(deltas)
                     if any(d.new_token_ids and d.completion_tokens == len(d.new_token_ids) for d in deltas):
@@ -262,7 +261,8 @@ class EngineLoop:
                 return True
 
     def _add(self, cmd: AddRequest) -> None:
-        timing.mark(cmd.request_id, "loop.add")
+        if trace is not None:
+            trace(cmd.request_id, "loop.add", None)
         try:
             self.engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.params, stream=cmd.stream,
                                     salt=cmd.salt, priority=cmd.priority, deadline=cmd.deadline, pooling=cmd.pooling)

@@ -136,7 +136,10 @@ class Sampler:
     def processed(self, logits: torch.Tensor, seqs: Rows) -> torch.Tensor:
         """Penalties, the min_tokens mask, then logit_bias and the grammar bitmask of structured
         outputs (backend/structured/logits.py): the logits greedy takes its argmax of."""
-        return apply_constraints(self._mask_min_tokens(self._penalize(logits, seqs), seqs), seqs)
+        logits = self._mask_min_tokens(self._penalize(logits, seqs), seqs)
+        if not any(s.params.constrained for s in seqs):     # the one check: no structured work
+            return logits
+        return apply_constraints(logits, seqs)
 
     def probs(self, logits: torch.Tensor, seqs: Rows) -> torch.Tensor:
         """The distribution a sampled row draws from: processed logits -> temperature -> min-p

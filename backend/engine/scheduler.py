@@ -190,7 +190,8 @@ class Scheduler:
             seats = 1 if req.forked else req.params.n
             if seats_used + seats > self.max_num_seqs:
                 break
-            cached = self.kv.acquire_prefix(seq.seq_id, prefix_tokens(seq), req.salt)
+            tokens = seq.token_ids if req.pooling is None else prefix_tokens(seq)    # embedding.py
+            cached = self.kv.acquire_prefix(seq.seq_id, tokens, req.salt)
             if cached is None:
                 break
             num_new = min(seq.num_tokens - cached, budget)

@@ -253,8 +253,9 @@ class KVCacheManager:
         for block in self.pool.blocks:
             assert block.ref_cnt == holders[block.block_id], \
                 f"block {block.block_id}: ref {block.ref_cnt}, held by {holders[block.block_id]} tables"
-        self.offload.check()
-        assert not set(self.offload.hashes()) & set(self.pool.cached), "hash both on device and offloaded"
+        if self.offload:                    # tiers configured
+            self.offload.check()
+            assert not set(self.offload.hashes()) & set(self.pool.cached), "hash both on device and offloaded"
 
     # -- internals -------------------------------------------------------------------------
     def _get(self, seq_id: str) -> _Seq:

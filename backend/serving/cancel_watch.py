@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable
 from backend import protocol as P
 from backend.serving.latency import ABORT_TO_FREE, LatencyRecorder
 from backend.serving.messages import ControlAnswered, RequestHandle
-from backend.serving.responses import control_outputs
+from backend.serving.postprocess import control_outputs
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,6 @@ import uuid
 from typing import Any, Callable
 
 from backend import protocol as P
-from backend import timing
 from backend.engine.roles import takes_handover
 from backend.errors import EngineError, invalid_request, unavailable
 from backend.outputs import StepDelta
@@ -218,7 +217,6 @@ class Intake:
         self.loop.submit(h.rid, inc.input_ids, settings.sampling, sink=lambda d: post(DeltaArrived(h, d)),
                          stream=settings.stream, salt=cache_salt(settings, self.allow_client_salt),
                          priority=settings.priority, deadline=deadline, tenant=settings.tenant, **extra)
-        timing.mark(h.rid, "eng.submit")
 
     def _control(self, target: str, responder: Any, now: float, tenant: str) -> None:
         """An abort stops only a request of the caller's own tenant (the ``tenant`` parameter)."""

@@ -56,7 +56,7 @@ class RequestHandle:
     first_token: float | None = None        # latency bookkeeping (backend/serving/latency.py)
     last_token: dict[int, float] = field(default_factory=dict)
     queue_time_seen: bool = False
-    want: frozenset[str] | None = None      # output names to build (None: all; responses.py)
+    want: frozenset[str] | None = None      # output names to build (None: all; postprocess.py)
     skip_special_tokens: bool = True        # for the text outputs (backend/serving/postprocess.py)
     cancel_every: float = 0.0               # is_cancelled() at most this often (response_thread.py)
     held: dict[int, "Held"] = field(default_factory=dict)   # choice -> its gathered, unsent delta

@@ -7,11 +7,14 @@ EngineError naming it, before the engine sees the request; the prompt is checked
 engine's own context window (backend/context.py). The request's other parameters pass through
 unread: the engine's intake reads them once (request_params.py). Preprocessing reads only the
 prompt's own: ``tools`` (shown to the model) and ``embed`` (an embedding fills the whole window).
+``one_string`` / ``int_array`` read the prompt tensor and build the ``input_ids`` one.
 """
 from __future__ import annotations
 
 import json
 import pathlib
+
+import numpy as np
 
 from backend import protocol as P
 from backend.context import context_window_for
@@ -114,10 +117,31 @@ class Preprocessor:
                                   f"({CHARS_PER_TOKEN_CAP} per token of the {self.context_window}-token "
                                   "context window) are accepted")
         if messages is not None:
-            ids, param = self.encode_messages(parse_messages(messages), tools_from_params(params)), P.MESSAGES
+            tools = tools_from_params(params) if params.get("tools") not in (None, "", []) else None
+            ids, param = self.encode_messages(parse_messages(messages), tools), P.MESSAGES
         else:
             if not text_input:
                 raise invalid_request(P.TEXT_INPUT, "the prompt is empty")
             ids, param = self.encode_prompt(text_input), P.TEXT_INPUT
         fit_prompt(len(ids), self.context_window, param, embedding=read(params, P.EMBED, False))
         return ids
+
+
+def one_string(array: np.ndarray | None, name: str) -> str | None:
+    """A BYTES[1] input as text (None when the optional input is absent)."""
+    if array is None:
+        return None
+    flat = np.asarray(array).reshape(-1)
+    if flat.size != 1:
+        raise invalid_request(name, f"{name} must hold exactly one string, got shape {list(np.shape(array))}")
+    v = flat[0]
+    if isinstance(v, bytes):
+        try:
+            return v.decode("utf-8")
+        except UnicodeDecodeError:
+            raise invalid_request(name, f"{name} is not valid UTF-8") from None
+    return str(v)
+
+
+def int_array(values) -> np.ndarray:
+    return np.asarray(values, dtype=np.int32).reshape(-1)

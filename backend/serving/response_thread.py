@@ -35,20 +35,11 @@ from backend.serving.hold_policy import (BUSY_HOLD_MAX, BUSY_HOLD_STEPS, BUSY_ST
 from backend.serving.latency import LatencyRecorder
 from backend.serving.messages import (STOP, ControlAnswered, DeltaArrived, Held, Message, Opened,
                                       Rejected, RequestHandle)
-from backend.serving.responses import engine_outputs, wants_text
-from backend import timing
+from backend.serving.postprocess import engine_outputs, wants_text
 
 log = logging.getLogger(__name__)
 
 MAX_DRAIN = 4096                # messages taken per step (bounds one step's latency under a flood)
-
-
-def _send_one(h: RequestHandle, outputs: dict | None, error: EngineError | None, final: bool) -> None:
-    if timing.hook is not None:
-        timing.mark(h.rid, "rt.send0")
-    h.responder.send(outputs, error=error, final=final)
-    if timing.hook is not None:
-        timing.mark(h.rid, "rt.sent0")
 
 
 class ResponseThread:
@@ -262,7 +253,7 @@ class ResponseThread:
                 return
         ttft = self.latency.delta(h, d, now)
         try:
-            _send_one(h, engine_outputs(d, ttft=ttft, text=text, want=h.want), None, last)
+            h.responder.send(engine_outputs(d, ttft=ttft, text=text, want=h.want), final=last)
         except Exception as exc:            # noqa: BLE001 - the stream is gone: stop generating
             log.debug("send for %s failed: %s", h.rid, exc)
             if last:
@@ -286,7 +277,7 @@ class ResponseThread:
         if abort_rest and getattr(self.loop, "healthy", True):
             self.loop.abort(h.rid)          # its other choices must stop too
         try:
-            _send_one(h, None, error, True)
+            h.responder.send(None, error=error, final=True)
         except Exception as exc:            # noqa: BLE001
             log.debug("final for %s not delivered: %s", h.rid, exc)
         self._done(h)

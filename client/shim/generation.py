@@ -29,7 +29,6 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from backend import protocol as P
-from backend import timing
 from client.errors import InternalError, TritonLLMError, UnavailableError
 from client.shim.errors import from_llm_error, model_not_found
 from client.shim.format import Tally
@@ -97,7 +96,6 @@ async def respond_chat(request: Request, key: KeyPolicy, chat, tally, param_name
     """Generate the ChatCompletionRequest ``chat`` (Responses and Anthropic Messages translate their
     bodies into one) and answer with ``tally``'s shape (a whole body, or its SSE stream)."""
     await check_prompt(request, chat.prompt_chars(), prompt_param)
-    timing.mark(tally.id, "shim.recv")
     state = request.app.state
     params = request_params(request, chat, key, adapter_for(state, chat.model))   # model -> adapter
     slot = state.in_flight.acquire(key)

@@ -10,7 +10,6 @@ import uuid
 
 from fastapi import APIRouter, Depends, Request
 
-from backend import timing
 from client.errors import TritonLLMError
 from client.shim.errors import not_ready
 from client.shim.format import Tally
@@ -35,7 +34,6 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
     lora = adapter_for(_state(request), body.model)
     await check_prompt(request, body.prompt_chars(), "messages")
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    timing.mark(rid, "shim.recv")
     params = request_params(request, body, key, lora)
     slot = _state(request).in_flight.acquire(key)
     client = _state(request).client
@@ -56,7 +54,6 @@ async def completions(body: CompletionRequest, request: Request, key: KeyPolicy 
     lora = adapter_for(_state(request), body.model)
     await check_prompt(request, body.prompt_chars(), "prompt")
     rid = f"cmpl-{uuid.uuid4().hex}"
-    timing.mark(rid, "shim.recv")
     params = request_params(request, body, key, lora)
     slot = _state(request).in_flight.acquire(key)
     client = _state(request).client

@@ -52,13 +52,12 @@ class ShimSettings:
     response_store_items: int = 1024       # /v1/responses kept for previous_response_id, per tenant
     response_store_bytes: int = 64 << 20   # ... and their bytes, per tenant (response_store.py)
 
-    @property
-    def served_model(self) -> str:
-        if self.model_name:
-            return self.model_name
-        if self.model_dir:
-            return pathlib.Path(self.model_dir).resolve().name
-        return self.ensemble
+    served_model: str = field(init=False)   # the model id (model_name, else the checkpoint's name)
+
+    def __post_init__(self) -> None:
+        # a field, not a property: read on every request, it runs no code of this file
+        self.served_model = self.model_name or (pathlib.Path(self.model_dir).resolve().name if self.model_dir
+                                                else self.ensemble)
 
 
 

@@ -17,7 +17,6 @@ import logging
 import anyio
 from starlette.responses import StreamingResponse
 
-from backend import timing
 
 log = logging.getLogger("triton_llm.shim")
 
@@ -66,8 +65,6 @@ class BoundedSSE(StreamingResponse):
                         "headers": self.raw_headers})
             async for chunk in self.body_iterator:
                 body = chunk.encode(self.charset) if isinstance(chunk, str) else chunk
-                if timing.hook is not None:
-                    timing.mark(self.name, "shim.sse0")
                 # asyncio.timeout, not anyio.move_on_after: one timer handle per chunk instead of
                 # anyio's backend lookup + cancel scope (~10 % of the shim's CPU at 1 stream).
                 try:

@@ -9,7 +9,7 @@ import subprocess
 
 from bench.lab_venv import ROOT, lab_venv
 
-PROBE = "import backend, backend.timing as t; print(backend.__file__); print(t.hook is not None)"
+PROBE = "import backend, backend.engine.engine_loop as e; print(backend.__file__); print(e.trace is not None)"
 
 
 def _probe(python: pathlib.Path, **env: str) -> list[str]:
@@ -22,9 +22,8 @@ def _probe(python: pathlib.Path, **env: str) -> list[str]:
 def test_the_overlay_serves_its_tree_and_attaches_the_trace(tmp_path):
     tree = tmp_path / "tree"
     shutil.copytree(ROOT / "bench", tree / "bench", ignore=shutil.ignore_patterns("__pycache__"))
-    (tree / "backend").mkdir()
-    (tree / "backend" / "__init__.py").write_text("")
-    shutil.copy(ROOT / "backend" / "timing.py", tree / "backend" / "timing.py")
+    for package in ("backend", "common"):          # the engine loop and what it imports
+        shutil.copytree(ROOT / package, tree / package, ignore=shutil.ignore_patterns("__pycache__"))
     python = lab_venv(tree, where=tmp_path / "venvs")
     assert _probe(python) == [str(tree / "backend" / "__init__.py"), "False"]
     assert _probe(python, LLM_TTFT_TRACE=str(tmp_path / "trace")) == [str(tree / "backend" / "__init__.py"), "True"]

@@ -16,7 +16,7 @@ from backend.engine.llm_engine import LLMEngine
 from backend.errors import EngineError
 from backend.sampling_params import SamplingParams
 from backend.serving.disagg_engine import DecodeLoop, HandoverDelta, build_role
-from backend.serving.responses import engine_outputs
+from backend.serving.postprocess import engine_outputs
 from tests.conftest import model_dir
 
 PROMPT = [(7 * i) % 3000 + 5 for i in range(70)]

@@ -14,7 +14,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from backend import protocol as P
 from backend.outputs import StepDelta
 from backend.serving.repository import TEMPLATES
-from backend.serving.responses import control_outputs, engine_outputs
+from backend.serving.postprocess import control_outputs, engine_outputs
 
 CONFIGS = sorted(TEMPLATES.glob("*/config.pbtxt"))
 

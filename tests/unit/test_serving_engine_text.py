@@ -16,7 +16,7 @@ from backend.errors import ErrorKind
 from backend.outputs import StepDelta, TokenLogprob
 from backend.serving.engine_service import EngineService, Incoming
 from backend.serving.postprocess import Postprocessor, RustDecode
-from backend.serving.responses import logprobs_json
+from backend.serving.postprocess import logprobs_json
 from tests.conftest import model_dir
 
 ENSEMBLE_WANT = frozenset(t.name for t in P.TEXT_OUTPUTS if t.name != P.LOGPROBS) | {P.TEXT_LOGPROBS}

@@ -14,8 +14,7 @@ from backend import protocol as P
 from backend.serving.engine_service import STUB_SWITCH_INTERVAL_S, Incoming, build_engine_service
 from backend.serving.errors import to_wire, triton_code
 from backend.serving.stub_exit import exit_stub
-from backend.serving.tensors import config_parameters, require_model_dir
-from backend import timing
+from backend.serving.adapter_config import config_parameters, require_model_dir
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -108,8 +107,6 @@ class TritonPythonModel:
 
     def execute(self, requests):
         for request in requests:
-            if timing.hook is not None:
-                timing.mark(request.request_id(), "eng.exec")
             tensor = pb_utils.get_input_tensor_by_name(request, P.INPUT_IDS)
             ids, oversize = None, 0
             if tensor is not None:

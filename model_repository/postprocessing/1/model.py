@@ -5,10 +5,11 @@ import triton_python_backend_utils as pb_utils
 
 from backend import protocol as P
 from backend.serving.errors import as_engine_error, to_wire, triton_code
-from backend.serving.postprocess import Postprocessor
+from backend.serving.postprocess import Postprocessor, string_array
+from backend.serving.preprocess import one_string
 from backend.serving.request_params import parse_parameters, read
 from backend.serving.stub_exit import exit_stub
-from backend.serving.tensors import config_parameters, one_string, require_model_dir, string_array
+from backend.serving.adapter_config import config_parameters, require_model_dir
 
 
 def _np(request, name):

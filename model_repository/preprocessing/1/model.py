@@ -4,11 +4,10 @@ import triton_python_backend_utils as pb_utils
 
 from backend import protocol as P
 from backend.serving.errors import as_engine_error, to_wire, triton_code
-from backend.serving.preprocess import Preprocessor
+from backend.serving.preprocess import Preprocessor, int_array, one_string
 from backend.serving.request_params import parse_parameters
 from backend.serving.stub_exit import exit_stub
-from backend import timing
-from backend.serving.tensors import config_parameters, int_array, one_string, require_model_dir
+from backend.serving.adapter_config import config_parameters, require_model_dir
 
 
 def _input(request, name):
@@ -31,15 +30,11 @@ class TritonPythonModel:
     def execute(self, requests):
         responses = []
         for request in requests:
-            if timing.hook is not None:
-                timing.mark(request.request_id(), "pre.exec")
             try:
                 text = one_string(_input(request, P.TEXT_INPUT), P.TEXT_INPUT)
                 messages = one_string(_input(request, P.MESSAGES), P.MESSAGES)
                 ids = self.pre(text, messages, parse_parameters(request.parameters()))
                 responses.append(pb_utils.InferenceResponse([pb_utils.Tensor(P.INPUT_IDS, int_array(ids))]))
-                if timing.hook is not None:
-                    timing.mark(request.request_id(), "pre.done")
             except Exception as exc:
                 responses.append(error_response(exc))
         return responses
