@@ -86,11 +86,9 @@ def crossover(lib, cfg, shapes: list[tuple[int, int]], nt: int, avx2: bool) -> i
 def _measure(lib, cfg, shapes, nt, avx2) -> int:
     g = torch.Generator().manual_seed(0)
     weights = [(torch.randn(n, k, generator=g) * k ** -0.5).bfloat16() for n, k in shapes]
-    packed = [None] * len(shapes)
-    if not avx2 and lib.bf16_dot_supported():      # the step's own kernel there: on packed copies
-        packed = [torch.empty(lib.bf16_packed_elems(n, k), dtype=torch.int16) for n, k in shapes]
-        for (n, k), w, p in zip(shapes, weights, packed):
-            lib.bf16_pack(w.data_ptr(), n, k, p.data_ptr())
+    packed = [torch.empty(lib.bf16_packed_elems(n, k), dtype=torch.int16) for n, k in shapes]
+    for (n, k), w, p in zip(shapes, weights, packed):   # the step's own kernels run on packed copies
+        lib.bf16_pack(w.data_ptr(), n, k, p.data_ptr())
     wins = []
     for m in CANDIDATES:
         xs = [torch.randn(m, k, generator=g) for _, k in shapes]

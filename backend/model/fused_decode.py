@@ -153,9 +153,10 @@ def _bf16(t: torch.Tensor | None) -> bool:
 
 def _pack_bf16(lib, qws, weights) -> list[torch.Tensor]:
     """Packed copies (kernels/csrc/bf16_packed.c) of the bf16 weights [N, K] of ``qws``, pointed to
-    by their ``packed`` field; returned to be kept alive. Where the CPU has AVX512-BF16 they run the
-    linears ~3x faster from M = 4 rows than the row-major tiles (no horizontal sums; docs/kernels.md);
-    they double the memory of the bf16 weights, since the embedding and the torch path keep theirs."""
+    by their ``packed`` field; returned to be kept alive. They run the linears without horizontal
+    sums: VDPBF16PS ~3x faster from M = 4 rows than the row-major tiles, AVX2 ~1.5x
+    (docs/kernels.md). They double the memory of the bf16 weights: the embedding rows and the torch
+    path read the originals."""
     keep = []
     for qw, w in zip(qws, weights):
         if qw is None or w is None or qw.kind != Q_BF16 or w.shape[1] % 2:
@@ -223,7 +224,7 @@ class FusedDecoder:
             quant = dict(qw=ctypes.cast(self._qw, _P), w8=w8, w4=w4,
                          head_q=None if head_qw is None else ctypes.cast(ctypes.pointer(self._head_q), _P))
             self._quant_mods = [*projs, head]                 # keep their tensors alive with us
-            if self.bf16 and not bf16_avx2 and lib.bf16_dot_supported():
+            if self.bf16:
                 weights = [p.weight for p in projs] + [model.lm_head_weight() if head is None else None]
                 self._packed = _pack_bf16(lib, [*self._qw, self._head_q], weights)
         bgemm = bf16_gemm.mkl_symbols() if self.bf16 else None

@@ -13,6 +13,10 @@
  * 32-bit word); the caller falls back to the row-major tiles otherwise. */
 #include "decode_cpu.h"
 
+/* Prefetch distance along a block's stream, in K-pairs (64 bytes each): a few lines ahead of the
+ * loads, so that a single decode row (M = 1, bound by the read rate) keeps J streams in flight. */
+#define PF_AHEAD 4
+
 /* bf16 elements of W [N, K] packed: N rounded up to 16 columns (zero rows), K to an even count. */
 int64_t bf16_packed_elems(int64_t N, int64_t K) { return (N + 15) / 16 * 16 * ((K + 1) & ~(int64_t)1); }
 
@@ -30,9 +34,6 @@ void bf16_pack(const uint16_t *W, int64_t N, int64_t K, uint16_t *out) {
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define BH(v) ((__m512bh)(v))
-/* Prefetch distance along a block's stream, in K-pairs (64 bytes each): a few lines ahead of the
- * loads, so that a single decode row (M = 1, bound by the read rate) keeps J streams in flight. */
-#define PF_AHEAD 4
 
 /* y[t, 16 j + l] (+)= x[t] . W[16 j + l] + bias for J column blocks (the last one `last` columns
  * wide, <= 16) and T input rows. */
@@ -117,6 +118,86 @@ int linear_packed_bf16(const uint16_t *xb, int64_t M, int64_t K, const uint16_t 
 int linear_packed_bf16(const uint16_t *xb, int64_t M, int64_t K, const uint16_t *Wp, const float *bias,
                        int64_t N, float *y, int acc, int T) {
     (void)xb; (void)M; (void)K; (void)Wp; (void)bias; (void)N; (void)y; (void)acc; (void)T;
+    return -1;
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* AVX2 + FMA on the same packed layout: a 32-bit lane of a K-pair's 256-bit half holds one
+ * column's (k, k + 1) weights, widened to fp32 exactly by a shift (k) and a mask (k + 1); inputs
+ * are fp32 rows already rounded to bf16 (bf16_avx2_inputs), broadcast per K-step. Each output is one
+ * lane's chain of FMAs in K order, whatever the tile or thread (the VDPBF16PS kernel above sums a
+ * pair inside one instruction: the two kernel sets differ in the last bits, as before). */
+#define DEFINE_ATILE(T)                                                                             \
+static void aptile_##T(const float *x, int64_t K, const uint16_t *wp, const float *bias, float *y,   \
+                       int64_t ldy, int acc, int last) {                                                     \
+    __m256 a[2][T];                                                                                 \
+    for (int h = 0; h < 2; h++) for (int t = 0; t < T; t++) a[h][t] = _mm256_setzero_ps();          \
+    const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);                                         \
+    for (int64_t kp = 0; kp < K / 2; kp++) {                                                        \
+        const uint16_t *p = wp + kp * 32;                                                           \
+        __builtin_prefetch(p + PF_AHEAD * 32);                                                      \
+        const __m256i u0 = _mm256_loadu_si256((const __m256i *)p), u1 = _mm256_loadu_si256((const __m256i *)(p + 16)); \
+        const __m256 w00 = _mm256_castsi256_ps(_mm256_slli_epi32(u0, 16));                          \
+        const __m256 w01 = _mm256_castsi256_ps(_mm256_and_si256(u0, hi));                           \
+        const __m256 w10 = _mm256_castsi256_ps(_mm256_slli_epi32(u1, 16));                          \
+        const __m256 w11 = _mm256_castsi256_ps(_mm256_and_si256(u1, hi));                           \
+        for (int t = 0; t < T; t++) {                                                               \
+            const __m256 x0 = _mm256_broadcast_ss(x + t * K + 2 * kp);                              \
+            const __m256 x1 = _mm256_broadcast_ss(x + t * K + 2 * kp + 1);                          \
+            a[0][t] = _mm256_fmadd_ps(w01, x1, _mm256_fmadd_ps(w00, x0, a[0][t]));                  \
+            a[1][t] = _mm256_fmadd_ps(w11, x1, _mm256_fmadd_ps(w10, x0, a[1][t]));                  \
+        }                                                                                           \
+    }                                                                                               \
+    for (int t = 0; t < T; t++)                                                                     \
+        for (int h = 0; h < 2; h++) {                                                               \
+            float out[8];                                                                           \
+            _mm256_storeu_ps(out, a[h][t]);                                                         \
+            for (int l = 0; l < 8 && 8 * h + l < last; l++) {                                       \
+                const float s = out[l] + (bias ? bias[8 * h + l] : 0.0f);                           \
+                float *o = y + t * ldy + 8 * h + l;                                                 \
+                *o = acc ? *o + s : s;                                                              \
+            }                                                                                       \
+        }                                                                                           \
+}
+DEFINE_ATILE(1) DEFINE_ATILE(2) DEFINE_ATILE(3) DEFINE_ATILE(4)
+typedef void (*aptile_fn)(const float *, int64_t, const uint16_t *, const float *, float *, int64_t, int, int);
+static const aptile_fn APTILE[4] = {aptile_1, aptile_2, aptile_3, aptile_4};
+
+typedef struct {
+    const float *xr; int64_t M, K; const uint16_t *Wp; const float *bias; int64_t N; float *y; int acc;
+    int64_t NB, C;
+} AvxPackedJob;
+
+static void avx2_packed_chunk(void *p, int64_t c) {
+    const AvxPackedJob *j = p;
+    const int64_t b0 = j->NB * c / j->C, b1 = j->NB * (c + 1) / j->C;
+    for (int64_t b = b0; b < b1; b++) {
+        const int64_t n = b * 16;
+        const int last = (int)(j->N - n < 16 ? j->N - n : 16);
+        for (int64_t t0 = 0; t0 < j->M; t0 += 4) {
+            const int T = (int)(j->M - t0 < 4 ? j->M - t0 : 4);
+            APTILE[T - 1](j->xr + t0 * j->K, j->K, j->Wp + b * j->K * 16, j->bias ? j->bias + n : NULL,
+                          j->y + t0 * j->N + n, j->N, j->acc, last);
+        }
+    }
+}
+
+/* y (+)= xr Wp^T + bias, xr fp32 rows rounded to bf16; 0 done, -1 not taken (K odd). */
+int linear_packed_avx2(const float *xr, int64_t M, int64_t K, const uint16_t *Wp, const float *bias,
+                       int64_t N, float *y, int acc, int T) {
+    if (K & 1) return -1;
+    const int64_t NB = (N + 15) / 16;
+    int64_t C = linear_chunks(T, N);
+    if (C > NB) C = NB;
+    AvxPackedJob j = {xr, M, K, Wp, bias, N, y, acc, NB, C < 1 ? 1 : C};
+    par_for(T, j.C, avx2_packed_chunk, &j, 0);
+    return 0;
+}
+#else
+int linear_packed_avx2(const float *xr, int64_t M, int64_t K, const uint16_t *Wp, const float *bias,
+                       int64_t N, float *y, int acc, int T) {
+    (void)xr; (void)M; (void)K; (void)Wp; (void)bias; (void)N; (void)y; (void)acc; (void)T;
     return -1;
 }
 #endif

@@ -157,10 +157,13 @@ int bf16_dot_supported(void);
 INTERNAL void linear_rows_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *W, const float *bias,
                                int64_t N, float *y, int acc, int64_t n0, int64_t n1);
 
-/* bf16_packed.c: y (+)= xb Wp^T + bias, Wp = bf16_pack(W); 0 done, -1 not taken (no AVX512-BF16, K odd). */
+/* bf16_packed.c: y (+)= xb Wp^T + bias, Wp = bf16_pack(W); 0 done, -1 not taken (no AVX512-BF16 / AVX2, K odd). */
 int64_t bf16_packed_elems(int64_t N, int64_t K);
 void bf16_pack(const uint16_t *W, int64_t N, int64_t K, uint16_t *out);
 INTERNAL int linear_packed_bf16(const uint16_t *xb, int64_t M, int64_t K, const uint16_t *Wp, const float *bias,
+                                int64_t N, float *y, int acc, int T);
+/* The same on AVX2 + FMA: xr fp32 rows already rounded to bf16 (bf16_avx2_inputs, not permuted). */
+INTERNAL int linear_packed_avx2(const float *xr, int64_t M, int64_t K, const uint16_t *Wp, const float *bias,
                                 int64_t N, float *y, int acc, int T);
 
 /* amx_bf16.c: y (+)= xb W^T + bias on AMX tiles; 0 done, -1 not taken (no AMX, K % 32, N < 16). */

@@ -2,12 +2,14 @@
  * model's own bf16 weight W [N, K], read in place. Inputs rounded to bf16 (RNE), products summed
  * in fp32. Where the CPU has AVX512-BF16: AMX tiles from AMX_MIN_M rows (amx_bf16.c), VDPBF16PS
  * tiles below: on the weight's packed copy where the step has one (bf16_packed.c, ~3x these at
- * M >= 4), else the row-major register tiles here; else (or with the Model's bf16_avx2 flag) the AVX2 kernels of
+ * M >= 4), else the row-major register tiles here; else, on the packed copy too where there is one, (or with the Model's bf16_avx2 flag) the AVX2 kernels of
  * bf16_avx2.c, with MKL sgemm on widened weights from gemm_min_m rows. From bgemm_min_m rows
  * (Model.bgemm set: MKL's cblas_gemm_bf16bf16f32, AMX where the CPU has it) MKL multiplies the
  * same bf16-rounded inputs by W in place; the crossover is measured per host by
  * backend/model/bf16_gemm.py. */
 #include "decode_cpu.h"
+
+#define PACKED_AVX2_MIN_M 4
 
 /* VDPBF16PS tiles (AVX512-BF16) */
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -190,7 +192,12 @@ void linear_bf16(const Model *m, const float *x, int64_t M, int64_t K, const uin
     (void)avx2;
     float *xr = (float *)xb;                             /* 64-byte aligned by the callers */
     const int blas = m->sgemm && M >= m->gemm_min_m && M < (1 << 30) && N < (1 << 30);
-    bf16_avx2_inputs(x, M, K, xr, !blas);
+    /* The packed copy's kernel (bf16_packed.c) from PACKED_AVX2_MIN_M rows: below, its one chain of
+     * FMAs per lane waits on their latency, and the row-major tiles are faster (Zen 4, one thread:
+     * 0.64-0.75x at M = 1 in cache, 1.2-1.4x from M = 4). */
+    const int packed = Wp && !blas && !(K & 1) && M >= PACKED_AVX2_MIN_M;
+    bf16_avx2_inputs(x, M, K, xr, !blas && !packed);
+    if (packed && linear_packed_avx2(xr, M, K, Wp, bias, N, y, acc, T) == 0) return;
     if (blas && linear_bf16_blas(m, xr, M, K, W, bias, N, y, acc) == 0) return;
     if (blas) bf16_avx2_inputs(x, M, K, xr, 1);         /* no memory for a weight block: the tiles */
     ALinearJob j = {xr, M, K, W, bias, N, y, acc, linear_chunks(T, N)};

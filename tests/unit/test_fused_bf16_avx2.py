@@ -45,21 +45,24 @@ def avx2_only_lib():
     return cpu.load_decode(path)
 
 
-def linear(lib, x, w, bias, y0, acc: int, nt: int, avx2: int) -> torch.Tensor:
+def linear(lib, x, w, bias, y0, acc: int, nt: int, avx2: int, packed: int = 0) -> torch.Tensor:
     y = y0.clone()
     m, k = x.shape
     assert lib.linear_bf16_test(x.data_ptr(), m, k, w.data_ptr(), None if bias is None else bias.data_ptr(),
-                                w.shape[0], y.data_ptr(), acc, nt, avx2, 0) == 0
+                                w.shape[0], y.data_ptr(), acc, nt, avx2, packed) == 0
     return y
 
 
 # K tails (K % 16 != 0: the scalar tail; K < 16: tail only), N tails (N % 4: the rows left over the
 # STREAMS parts), and a linear big enough for 2 threads (PAR_MIN_MACS) with several row chunks each.
+@pytest.mark.parametrize("packed", [0, 1])
 @pytest.mark.parametrize("n,k", [(1, 16), (5, 20), (16, 64), (37, 100), (130, 33), (600, 256), (4100, 72), (3, 7)])
-def test_avx2_linear_against_float64(lib, n, k):
+def test_avx2_linear_against_float64(lib, n, k, packed):
     """bf16(x) W^T (+ bias, + the residual) against float64 over the same bf16 values for M 1..33;
     1 and 2 threads bit-identical; every row of an M-row call bit-identical to that row alone
-    (every tile shape runs the same FMAs per output)."""
+    (every tile shape runs the same FMAs per output). ``packed``: on the weight's packed copy
+    (bf16_packed.c, from 4 rows; odd K: the row-major tiles), whose rows are bit-identical across
+    calls of 4 rows or more."""
     g = torch.Generator().manual_seed(n * 1000 + k)
     w = torch.randn(n, k, generator=g).bfloat16()
     b = torch.randn(n, generator=g)
@@ -68,11 +71,14 @@ def test_avx2_linear_against_float64(lib, n, k):
         y0 = torch.randn(m, n, generator=g)
         for bias, acc in ((None, 0), (b, 0), (b, 1)):
             want = x.bfloat16().double() @ w.double().T + (0 if bias is None else bias.double()) + (y0.double() if acc else 0)
-            one, two = (linear(lib, x, w, bias, y0, acc, nt, 1) for nt in (1, 2))
+            one, two = (linear(lib, x, w, bias, y0, acc, nt, 1, packed) for nt in (1, 2))
             err = (one.double() - want).abs().max().item()
             assert err <= 1e-5 * max(1.0, want.abs().max().item()), (m, bias is None, acc, err)
             assert torch.equal(one, two), m
-            if m > 1 and acc == 0:
+            if packed:
+                if m > 4 and acc == 0:
+                    assert torch.equal(one[:4], linear(lib, x[:4], w, bias, y0[:4], 0, 1, 1, packed)), m
+            elif m > 1 and acc == 0:
                 alone = torch.cat([linear(lib, x[t:t + 1], w, bias, y0[t:t + 1], 0, 1, 1) for t in range(m)])
                 assert torch.equal(one, alone), m
 
