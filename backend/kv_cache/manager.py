@@ -89,6 +89,7 @@ class KVCacheManager:
             pin_memory=storage is not None and storage.device.type == "cuda",
             host_blocks=host_tier_blocks if enable_prefix_caching else 0,
             disk_path=disk_tier_path, disk_blocks=disk_tier_blocks if enable_prefix_caching else 0)
+        self._tiered = bool(self.offload.tiers)     # fixed: without tiers the steps never enter offload.py
         self._block_bytes = 0 if storage is None else storage.block_bytes
         self._seqs: dict[str, _Seq] = {}
         self._next_entry_id = ROOT_ID + 1
@@ -253,7 +254,7 @@ class KVCacheManager:
         for block in self.pool.blocks:
             assert block.ref_cnt == holders[block.block_id], \
                 f"block {block.block_id}: ref {block.ref_cnt}, held by {holders[block.block_id]} tables"
-        if self.offload:                    # tiers configured
+        if self._tiered:
             self.offload.check()
             assert not set(self.offload.hashes()) & set(self.pool.cached), "hash both on device and offloaded"
 
@@ -296,14 +297,14 @@ class KVCacheManager:
         if block is not None:
             assert block.key is not None, "a cached block has its key"
             return block.key, block.entry_id
-        found = self.offload.find(block_hash) if self.offload else None
+        found = self.offload.find(block_hash) if self._tiered else None
         return None if found is None else (found[1].key, found[1].entry_id)
 
     def _take(self, n: int) -> list[KVCacheBlock]:
         """n fresh blocks; evicted cached blocks go to the offload tiers (content copied first)."""
         blocks, evicted = self.pool.take(n)
         self._stats.evictions += len(evicted)
-        if evicted and self.offload:
+        if evicted and self._tiered:
             contents = None
             if self.storage is not None:
                 contents = self.storage.read_blocks([e.block_id for e in evicted])
