@@ -9,7 +9,7 @@ embedding, every layer (RMSNorm, qkv, RoPE, KV store, causal paged attention thr
 tables, o-proj + residual, RMSNorm, gate/up, SiLU * up, down + residual), the final norm and the
 lm_head for the logits rows only, with no Python in between and no per-step allocation but the logits.
 Measured faster than the torch path for every step shape tried, up to 2048-token prompts
-(docs/benchmarks.md "The CPU decode step", tools/ab_fused_step.py), so the token budget is only a cap.
+(docs/benchmarks.md "The CPU decode step", bench/ab_fused_step.py), so the token budget is only a cap.
 
 When it is used (:func:`make_fused_decoder` returns None otherwise and the torch path runs):
 CPU, fp32 weights, an fp32 KV cache or a half one (``kv_cache_dtype`` fp16 / bf16: K/V converted
@@ -61,7 +61,7 @@ from backend.model.llama import Linear, LlamaForCausalLM
 from common import env
 
 log = logging.getLogger("triton_llm.model")
-MAX_TOKENS = 8192  # steps with a prefill chunk: fused up to this many new tokens (faster up to 2048 measured, tools/ab_fused_step.py)
+MAX_TOKENS = 8192  # steps with a prefill chunk: fused up to this many new tokens (faster up to 2048 measured, bench/ab_fused_step.py)
 QUANT_MAX_TOKENS = 192  # int8/int4 projections: past this the torch path (dequantize + MKL) is faster
 KEEP_ROWS = 256    # the decoder keeps its scratch for steps up to this many tokens; larger ones get their own
 GEMM_MIN_M = 64    # measured on a Zen 3 core: the C tiles beat MKL up to at least M = 32 (docs/kernels.md)

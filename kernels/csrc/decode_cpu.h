@@ -114,7 +114,7 @@ static inline float hsum(v8 a) {
  * caller go on without a worker that has not started, and a step of a few tokens is bound by one
  * core's read rate, so from 1 << 18 (2026-12-02, AMX host, 2 threads): in process, decode 1 of
  * bench-110m / SmolLM2 fp32 23.0 / 34.0 -> 13.6 / 18.5 ms, bf16 11.1 / 15.6 -> ~6.0 / 9.1 ms
- * (tools/ab_dtype_step.py --threads 2); through the stack, bench-110m fp32 at 1 stream 39-40 ->
+ * (python -m bench.ab_dtype_step --threads 2); through the stack, bench-110m fp32 at 1 stream 39-40 ->
  * 59-63 tok/s, at 16 streams +5-8 %, at 32 the same (load.overhead_ab, docs/benchmarks.md). */
 #define PAR_MIN_MACS (1 << 18)
 
