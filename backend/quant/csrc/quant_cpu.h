@@ -101,7 +101,9 @@ void w8_gemv2_a16(const float *x, int64_t ldx, int64_t K, const int8_t *w, const
                   const float *bias, int64_t N, float *y, int64_t ldy, int nthreads);   /* M = 2 */
 #endif
 /* The packed int8 layout (w8_packed.c): w8_gemm's ``w`` with G = W8_PACKED_G points to this header,
- * followed by the packed weights and fp32 scales. */
+ * followed by the packed weights and fp32 scales. G = W8_PACKED_G - b0 (b0 >= 0): the slice of the
+ * weight's columns [16 b0, 16 b0 + N) (a caller with its own thread pool hands out column slices;
+ * y and bias then point at the slice's first column, as a row-major slice's w and scales would). */
 #define W8_PACKED_G (-32)
 typedef struct {
     int64_t N, K;
@@ -113,8 +115,8 @@ static inline int8_t *w8p_weights(const w8p_hdr *h) { return (int8_t *)h + sizeo
 static inline float *w8p_scales(const w8p_hdr *h) {
     return (float *)(w8p_weights(h) + (h->N + 15) / 16 * 16 * h->K);
 }
-void w8_gemm_packed(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *buf, const float *bias,
-                    int64_t N, float *y, int64_t ldy, int64_t n0, int64_t n1, int nthreads);
+void w8_gemm_packed(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *buf, int64_t b0,
+                    const float *bias, int64_t N, float *y, int64_t ldy, int nthreads);
 int w8_has_avx512(void);     /* 1 where w8_avx512.c was built with AVX-512BW */
 void w8_gemm_g32_z(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *w, const uint16_t *scales,
                    const float *bias, int64_t N, float *y, int64_t ldy, int nthreads);

@@ -27,15 +27,17 @@ void w8_gemm_a16(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t
  * a16_min_m rows on (AVX2 builds; tolerance in docs/quantization.md), else weight-only. */
 void w8_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *w, const uint16_t *scales,
              int64_t G, const float *bias, int64_t N, float *y, int64_t ldy, int nthreads) {
-    if (G == W8_PACKED_G) {        /* w8_pack_g32's buffer (only packed where the build has AVX2) */
+    if (G <= W8_PACKED_G) {        /* w8_pack_g32's buffer, or its slice from block b0 (quant_cpu.h) */
         const w8p_hdr *h = (const w8p_hdr *)w;
+        const int64_t b0 = W8_PACKED_G - G;
 #ifdef __AVX2__
         if (a16_min_m > 0 && packed_min_m > 0 && M >= packed_min_m) {
-            w8_gemm_packed(x, M, K, ldx, (const uint8_t *)w, bias, N, y, ldy, 0, N, nthreads);
+            w8_gemm_packed(x, M, K, ldx, (const uint8_t *)w, b0, bias, N, y, ldy, nthreads);
             return;
         }
 #endif
-        w = h->w, scales = h->scales, G = 32;       /* the row-major copy: GEMVs, weight-only loops */
+        /* the row-major copy (GEMVs, weight-only loops): the slice's rows */
+        w = h->w + 16 * b0 * K, scales = h->scales + 16 * b0 * (K / 32), G = 32;
     }
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     if (a16_min_m > 0 && G == 32 && K % 32 == 0 && M >= 1) {
@@ -57,24 +59,15 @@ void w8_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *w,
     w8_gemm_f32a(x, M, K, ldx, w, scales, G, bias, N, y, ldy, nthreads);
 }
 
-/* Columns [n0, n1) of w8_gemm's y, on the calling thread (no OpenMP region): for a caller with its
- * own worker pool (the fused step hands out column slices; n0 a multiple of 16). Each output gets
- * the bits w8_gemm gives it: every kernel computes an output independently of its neighbours, and
+/* Columns [n0, n1) of w8_gemm's y, on the calling thread (no OpenMP region), through w8_gemm's
+ * slice convention (quant_cpu.h; n0 a multiple of 16 for a packed w). Each output gets the bits
+ * w8_gemm gives it: every kernel computes an output independently of its neighbours, and
  * activation rows are rounded to int16 the same way whatever the slice. */
 void w8_gemm_cols(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *w, const uint16_t *scales,
                   int64_t G, const float *bias, int64_t N, float *y, int64_t ldy, int64_t n0, int64_t n1) {
     if (n1 > N) n1 = N;
     if (n0 >= n1) return;
-    if (G == W8_PACKED_G) {
-        const w8p_hdr *h = (const w8p_hdr *)w;
-#ifdef __AVX2__
-        if (a16_min_m > 0 && packed_min_m > 0 && M >= packed_min_m) {
-            w8_gemm_packed(x, M, K, ldx, (const uint8_t *)w, bias, N, y, ldy, n0, n1, 1);
-            return;
-        }
-#endif
-        w = h->w, scales = h->scales, G = 32;
-    }
-    const int64_t ng = (K + G - 1) / G;
-    w8_gemm(x, M, K, ldx, w + n0 * K, scales + n0 * ng, G, bias ? bias + n0 : NULL, n1 - n0, y + n0, ldy, 1);
+    if (G <= W8_PACKED_G) G = W8_PACKED_G - (W8_PACKED_G - G) - n0 / 16;
+    else w += n0 * K, scales += n0 * ((K + G - 1) / G);
+    w8_gemm(x, M, K, ldx, w, scales, G, bias ? bias + n0 : NULL, n1 - n0, y + n0, ldy, 1);
 }

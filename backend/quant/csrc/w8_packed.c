@@ -10,6 +10,7 @@
  * G = W8_PACKED_G to w8_gemm):
  *   header   w8p_hdr (64 bytes): N, K, the row-major int8 weight and fp16 scales it was packed from
  *            (the GEMVs still read those at M < p_min_m)
+ * A column slice starting at block b0 (columns 16 b0 ..) is G = W8_PACKED_G - b0 (quant_cpu.h).
  *   weights  int8 [NB][K/2][16][2], NB = ceil(N/16): wp[b][p][c][i] = w[16 b + c][2 p + i]
  *            (columns past N are zero)
  *   scales   fp32 [NB][K/32][16]: sp[b][g][c] = scales[16 b + c][g]
@@ -172,7 +173,8 @@ P_TILE(1, 1) P_TILE(2, 1)
 static const p_tile_fn P_FN[P_MR][P_NB] = {{p_tile_1_1}, {p_tile_2_1}};
 #endif
 
-/* Columns of blocks [b_lo, b_hi) of y from xq (int16 rows, scales sx), on the calling thread. */
+/* Blocks [b_lo, b_hi) (relative to the slice's first block, wp / sp already there) of y [M, N] from
+ * xq (int16 rows, scales sx), on the calling thread. */
 static void p_blocks(const int16_t *xq, int64_t ldq, const float *sx, int64_t M, int64_t K, const int8_t *wp,
                      const float *sp, const float *bias, int64_t N, float *y, int64_t ldy, int64_t b_lo, int64_t b_hi) {
     int64_t ng = K / 32, mb = (P_X_BYTES / (2 * ldq)) / P_MR * P_MR;   /* activation rows per L2 panel */
@@ -190,14 +192,16 @@ static void p_blocks(const int16_t *xq, int64_t ldq, const float *sx, int64_t M,
     }
 }
 
-/* y [M, N] = x [M, K] . W^T (+ bias) from the packed buffer, columns [n0, n1) (n0 a multiple of 16,
- * n1 <= N), on nthreads OpenMP threads (1: none); any M >= 1. Each output's arithmetic does not
- * depend on the column range or the threads. */
-void w8_gemm_packed(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *buf, const float *bias,
-                    int64_t N, float *y, int64_t ldy, int64_t n0, int64_t n1, int nthreads) {
+/* y [M, N] = x [M, K] . W^T (+ bias) for the packed weight's columns [16 b0, 16 b0 + N) (a slice:
+ * y and bias index its own columns from 0), on nthreads OpenMP threads (1: none); any M >= 1. Each
+ * output's arithmetic does not depend on the slice or the threads. */
+void w8_gemm_packed(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *buf, int64_t b0,
+                    const float *bias, int64_t N, float *y, int64_t ldy, int nthreads) {
     const w8p_hdr *h = (const w8p_hdr *)buf;
-    int64_t ldq = K, b_first = n0 / 16, nb = (n1 + 15) / 16 - b_first;
+    int64_t ldq = K, nb = (N + 15) / 16;
     if (nb <= 0) return;
+    const int8_t *wp = w8p_weights(h) + b0 * 16 * K;
+    const float *sp = w8p_scales(h) + b0 * (K / 32) * 16;
     int16_t *xq = aligned_alloc(64, (size_t)((M * ldq * 2 + 63) & ~(int64_t)63));
     float *sx = malloc((size_t)M * sizeof(float));
     a16_quantize(x, ldx, M, K, a16_q(K), xq, ldq, sx, nthreads);
@@ -205,8 +209,8 @@ void w8_gemm_packed(const float *x, int64_t M, int64_t K, int64_t ldx, const uin
     int64_t nchunks = (nb + bpt - 1) / bpt;
     #pragma omp parallel for num_threads(nthreads) schedule(static) if (nchunks > 1)
     for (int64_t t = 0; t < nchunks; t++) {
-        int64_t b_lo = b_first + t * bpt, b_hi = b_lo + bpt < b_first + nb ? b_lo + bpt : b_first + nb;
-        p_blocks(xq, ldq, sx, M, K, w8p_weights(h), w8p_scales(h), bias, n1, y, ldy, b_lo, b_hi);
+        int64_t b_lo = t * bpt, b_hi = b_lo + bpt < nb ? b_lo + bpt : nb;
+        p_blocks(xq, ldq, sx, M, K, wp, sp, bias, N, y, ldy, b_lo, b_hi);
     }
     free(xq);
     free(sx);
