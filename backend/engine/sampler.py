@@ -30,6 +30,15 @@ from backend.sampling_params import SamplingParams
 from backend.structured.logits import apply_constraints
 
 
+def row_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (the first largest value, NaN first, as torch's). On a CPU fp32 tensor
+    through numpy: torch's reduction runs an OpenMP region per call, 8 ms for 16 x 49152 logits on
+    a loaded 2-core host (1.4 ms on one thread) against numpy's 0.07 ms, once per step."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
+        return torch.from_numpy(logits.numpy().argmax(axis=-1))
+    return logits.argmax(dim=-1)
+
+
 class SampledRow(Protocol):
     """What the sampler reads of the sequence a row samples for: an engine Sequence, or a
     speculative view of one (backend/spec/verify.py ``_Ahead``)."""
@@ -73,7 +82,7 @@ class Sampler:
         logits = self.processed(logits, seqs)
         greedy = [p.temperature == 0.0 for p in params]
         if all(greedy):
-            tokens = logits.argmax(dim=-1)
+            tokens = row_argmax(logits)
         else:
             tokens = self._sample(logits, seqs, greedy)
         token_list: list[int] = tokens.tolist()
@@ -84,7 +93,7 @@ class Sampler:
     def _greedy(self, logits: torch.Tensor, seqs: Rows) -> list[int]:
         """Plain greedy rows: one argmax; a row still under min_tokens takes its argmax again
         over its own masked copy (no [R, V] clone for the batch)."""
-        tokens = logits.argmax(dim=-1).tolist()
+        tokens = row_argmax(logits).tolist()
         for i, s in enumerate(seqs):
             if s.num_output_tokens < s.params.min_tokens:
                 stop_ids = self._min_tokens_ids(s.params, logits.shape[1])

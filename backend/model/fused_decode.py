@@ -1,50 +1,34 @@
-"""The fused CPU model step: a whole step through the model in one C call -- all-decode batches and,
-since issue 15's third round, varlen batches with prefill chunks (mixed prefill + decode steps,
-a prompt's first step, the partial last block after a prefix-cache hit).
+"""The fused CPU model step: a whole step through the model in one C call (all-decode batches and
+varlen batches with prefill chunks: mixed steps, a prompt's first step, the partial last block after
+a prefix-cache hit).
 
-Why: at one or a few sequences a step of a small model is mostly Python and op dispatch (~12 torch
-calls per layer, each a few microseconds plus its allocation), and MKL's GEMV at M = 1 reads weights
-slower than this machine's memory allows. ``kernels/csrc/decode_cpu.c`` (``step_forward``) runs
-embedding, every layer (RMSNorm, qkv, RoPE, KV store, causal paged attention through the block
+Why: at a few sequences a step of a small model is mostly Python and op dispatch, and MKL's GEMV
+at M = 1 reads weights slower than memory allows. ``kernels/csrc/decode_cpu.c`` (``step_forward``)
+runs embedding, every layer (RMSNorm, qkv, RoPE, KV store, causal paged attention through the block
 tables, o-proj + residual, RMSNorm, gate/up, SiLU * up, down + residual), the final norm and the
-lm_head for the logits rows only, with no Python in between and no per-step allocation but the logits.
-Measured faster than the torch path for every step shape tried, up to 2048-token prompts
-(docs/benchmarks.md "The CPU decode step", bench/ab_fused_step.py), so the token budget is only a cap.
+lm_head for the logits rows only, with no Python in between. Faster than the torch path for every
+step shape tried up to 2048-token prompts (bench/ab_fused_step.py), so the token budget is a cap.
 
-When it is used (:func:`make_fused_decoder` returns None otherwise and the torch path runs):
-CPU, fp32 weights, an fp32 KV cache or a half one (``kv_cache_dtype`` fp16 / bf16: K/V converted
-as stored, read back widened to fp32), projections that are plain :class:`~backend.model.llama.Linear`
-or int8/int4 :class:`~backend.quant.linear.QuantLinear` (incl. a quantized lm_head, ``lm_head_q``;
-those call the quant library's ``w8_gemm``/``w4_gemm`` through their addresses, so they compute what
-QuantLinear computes) -- or a bf16 model (every weight bf16) on a CPU with AVX512-BF16 or AVX2 + FMA
-(the library's ``bf16_supported()``): its projections, lm_head and embedding are read in place as
-bf16, inputs rounded to bf16 and multiplied with fp32 accumulation on AMX tiles (from 6 tokens, where
-Linux grants the tile state; ``TRITON_LLM_AMX=0`` turns them off) or VDPBF16PS tiles, or, without
-AVX512-BF16, AVX2 tiles that widen the bf16 weights in registers (kernels/csrc/bf16_avx2.c), the
-rest of the step in fp32 (fp32 copies of the norm weights and biases) --, the torch attention backend,
-the C library built (``kernels.cpu.decode_library``),
-and ``TRITON_LLM_FUSED_DECODE`` not ``0`` (that switches all of it off). Per step,
-:meth:`FusedDecoder.accepts` takes every all-decode batch and a batch with prefill chunks of at most
-``TRITON_LLM_FUSED_MAX_TOKENS`` new tokens (default :data:`MAX_TOKENS`; 0 = all-decode steps only).
+When (:func:`make_fused_decoder` returns None otherwise and the torch path runs): CPU, the torch
+attention backend, the C library built (``kernels.cpu.decode_library``), ``TRITON_LLM_FUSED_DECODE``
+not ``0``, a KV cache of fp32 / fp16 / bf16, and either fp32 weights with plain or int8/int4
+:class:`~backend.quant.linear.QuantLinear` projections (incl. ``lm_head_q``; those call the quant
+library's ``w8_gemm`` / ``w4_gemm``, so they compute what QuantLinear computes), or a bf16 model on
+a CPU with AVX512-BF16 or AVX2 + FMA: its weights are read as bf16 (packed copies made here for the
+linears, :func:`_pack_bf16`), inputs rounded to bf16, products summed in fp32 (AMX, VDPBF16PS or
+AVX2 kernels, docs/kernels.md "bf16 models"), the rest of the step in fp32. :meth:`FusedDecoder.accepts`
+takes every all-decode batch and prefill chunks of at most ``TRITON_LLM_FUSED_MAX_TOKENS`` new
+tokens (default :data:`MAX_TOKENS`; 0 = all-decode steps only).
 
-Numerics: the same fp32 operations as the torch path in another summation order (logits agree to
-~1e-5 relative, pinned by tests/unit/test_model_fused_decode.py; greedy tokens by the parity tests).
-bf16: the torch path rounds every activation to bf16, this step only a linear's inputs, so the two
-agree to bf16's precision (~1 % of the logits' range, pinned at 3 %; against transformers in bf16 by
-tests/unit/test_model_dtype.py, docs/kernels.md's exactness contract).
-Linears of ``M >= TRITON_LLM_FUSED_GEMM_MIN_M`` rows (default :data:`GEMM_MIN_M`) call MKL's
-``sgemm_`` from torch's own library, where it is exported; smaller ones the C register tiles. A bf16
-model's linears call MKL's ``cblas_gemm_bf16bf16f32`` (AMX where present) from the crossover M
-measured on this host at build (backend/model/bf16_gemm.py), the library's bf16 kernels below.
-Every output element is computed by one chunk of a parallel loop with explicit FMAs, so the thread
-count never changes the bits (tests/unit/test_model_fused_decode.py
-``test_thread_count_and_pool_do_not_change_the_step``).
+Numerics: fp32 is the torch path's operations in another summation order (logits within ~1e-5
+relative, tests/unit/test_model_fused_decode.py); bf16 agrees with transformers in bf16 to bf16's
+precision (tests/unit/test_model_dtype.py). fp32 linears of ``M >= TRITON_LLM_FUSED_GEMM_MIN_M`` rows
+call MKL's ``sgemm_`` from torch's library; bf16 ones MKL's ``cblas_gemm_bf16bf16f32`` from the
+crossover M measured on this host (backend/model/bf16_gemm.py). Every output element is computed by
+one chunk of a parallel loop, so the thread count never changes the bits.
 
-Threads: the step's parallel loops run on the C library's own worker pool (a caller that does not
-wait for a worker that has not started, docs/kernels.md; ``step_pool_set(0)`` (tests): OpenMP
-regions), with ``torch.get_num_threads()`` threads. (A per-step thread count chosen from measured
-step times, ``TRITON_LLM_STEP_THREADS=auto``, gained nothing and was removed: docs/benchmarks.md,
-sixth round.)
+Threads: the parallel loops run on the C library's own worker pool (the caller never waits for a
+worker that has not started; ``step_pool_set(0)``: OpenMP regions) with ``torch.get_num_threads()``.
 """
 from __future__ import annotations
 

@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from backend.engine.sampler import row_argmax
+
 if TYPE_CHECKING:
     from backend.engine.sampler import Sampler
 
@@ -75,7 +77,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, seqs: list, first_rows: list[
     want_lp = any(v.params.logprobs is not None for v in views)
     raw = torch.log_softmax(x, dim=-1) if want_lp else None
     x = sampler.processed(x, views)
-    argmax = x.argmax(dim=-1).tolist()
+    argmax = row_argmax(x).tolist()
     sampled = [i for i, v in enumerate(views) if not v.params.greedy]
     probs = {}
     if sampled:
