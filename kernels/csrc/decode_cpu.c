@@ -42,6 +42,25 @@
 
 #define QUANT_PAR_MIN_MACS (1 << 22)   /* int8 / int4 linears: the quant library's OpenMP regions */
 
+/* Columns [c W, (c + 1) W) of an int8 linear (W a multiple of 16), on this thread, through the quant
+ * library's slice convention (backend/quant/csrc/quant_cpu.h): a packed weight (G <= -32) takes
+ * the slice's first 16-column block in G, a row-major one pointer offsets. Each output's bits do
+ * not depend on the slicing. */
+typedef struct {
+    const Model *m; const QW *q; const float *x; int64_t M, K; const float *bias; int64_t N; float *y; int64_t W;
+} Q8Job;
+
+static void q8_chunk(void *p, int64_t c) {
+    const Q8Job *j = p;
+    const int64_t n0 = c * j->W, n1 = n0 + j->W < j->N ? n0 + j->W : j->N, K = j->K;
+    const int8_t *w = (const int8_t *)j->q->w;
+    const uint16_t *sc = j->q->scales;
+    int64_t G = j->q->group;
+    if (G < 0) G -= n0 / 16;
+    else w += n0 * K, sc += n0 * ((K + G - 1) / G);
+    j->m->w8(j->x, j->M, K, K, w, sc, G, j->bias ? j->bias + n0 : NULL, n1 - n0, j->y + n0, j->N, 1);
+}
+
 /* A projection that may be quantized or bf16: q NULL or fp32 -> linear(); bf16 -> linear_bf16 (xb
  * its input scratch); else the quant GEMM into y, or, with acc, into tmp [M, N] and then y += tmp
  * (as QuantLinear's output is added on the torch path). */
@@ -53,10 +72,19 @@ static void linear_q(const Model *m, const QW *q, const float *x, int64_t M, int
         return;
     }
     float *out = acc ? tmp : y;
+    const int T = linear_threads(nt, M, N, K);
     /* The quant library threads with OpenMP regions (a barrier each): the old, higher threshold. */
     const int t = nt > 1 && M * N * K >= QUANT_PAR_MIN_MACS ? nt : 1;
-    if (q->kind == Q_INT8)
-        m->w8(x, M, K, K, (const int8_t *)q->w, q->scales, q->group, bias, N, out, N, t);
+    if (q->kind == Q_INT8 && T > 1) {
+        /* int8 on the step's pool instead: column slices of 16k columns, w8_gemm on one thread each
+         * (its OpenMP regions inside the step waited on a core that the pool or the serving
+         * processes held: 0.6x fp32 at 16 streams on 2 threads, 2.3x on one). Two slices per
+         * thread: each call rounds all M input rows to int16 again, so few and wide. */
+        const int64_t C = 2 * (int64_t)T, W = ((N + C - 1) / C + 15) / 16 * 16;
+        Q8Job j = {m, q, x, M, K, bias, N, out, W};
+        par_for(T, (N + W - 1) / W, q8_chunk, &j, 0);
+    } else if (q->kind == Q_INT8)
+        m->w8(x, M, K, K, (const int8_t *)q->w, q->scales, q->group, bias, N, out, N, 1);
     else
         m->w4(x, M, K, K, (const uint8_t *)q->w, q->scales, q->zeros, q->group, bias, N, out, N, t);
     if (acc)
