@@ -5,7 +5,8 @@ The stubs' embedded interpreter ignores PYTHONPATH; it takes ``sys.prefix`` from
 first on PATH (backend/serving/install.py) and runs that venv's ``.pth`` files. So the overlay's
 one ``.pth`` puts the checkout first on ``sys.path``, then adds this venv's site-packages (its
 packages and the project's editable finder, which the checkout now shadows), then attaches the
-lab's tracer to the engine loop's hook when its environment asks (bench/ttft_trace.py).
+lab's tracers when their environment asks (bench/ttft_trace.py: the engine loop's hook;
+bench/request_path.py: the files a request runs).
 
     python -m bench.lab_venv [TREE]     # prints the overlay's python; start the stack with it
 """
@@ -33,7 +34,7 @@ def lab_venv(tree: str | pathlib.Path = ROOT, where: pathlib.Path = ROOT / "buil
     (overlay_site / "00-lab.pth").write_text(
         f"{tree}\n"
         f"import site; site.addsitedir({str(base_site)!r})\n"
-        "import bench.ttft_trace as t; t.attach_from_env()\n")
+        "import bench.ttft_trace as t, bench.request_path as p; t.attach_from_env(); p.attach_from_env()\n")
     return python
 
 
