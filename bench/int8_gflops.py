@@ -1,6 +1,7 @@
 """GFLOP/s of one GEMM per core (issue 28): the int8 kernels against fp32 and bf16 on one thread.
 
     python -m bench.int8_gflops [--ms 1 4 16 32 64 256] [--shapes 960x576 3072x576 576x1536 49152x576] [--rounds 5]
+                                [--march x86-64-v3]
 
 For SmolLM2-135M's projection shapes (N x K: qkv, gate_up, down, the LM head) and each row count M,
 best of ``--rounds`` (CPU time of the calling thread, so a loaded host's other processes matter
@@ -8,7 +9,8 @@ less), one thread: ``torch fp32`` / ``torch bf16`` (F.linear, oneDNN / MKL), ``o
 (kernels/csrc linear_f32, the fused step's fp32 tiles), ``int8 rows`` (groups of 32 on the
 row-major layout: csrc/w8_avx512.c, or w8_a16.c on AVX2 builds) and ``int8 packed`` (the layout
 packed at load, csrc/w8_packed.c; at M < PACKED_MIN_M w8_gemm reads the row-major copy). GFLOP/s =
-2 M N K / seconds.
+2 M N K / seconds. ``--march`` builds the quant library for another CPU level (``x86-64-v3``: the
+AVX2 kernels, as on a host without AVX-512) and measures those.
 """
 from __future__ import annotations
 
@@ -60,7 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ms", nargs="+", type=int, default=[1, 4, 16, 32, 64, 256])
     ap.add_argument("--shapes", nargs="+", default=["960x576", "3072x576", "576x1536", "49152x576"])
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--march", default=None, help="build the quant library with -march=THIS (default: native)")
     a = ap.parse_args(argv)
+    if a.march:
+        cpu.FLAGS = [f"-march={a.march}" if f.startswith("-march=") else f for f in cpu.FLAGS]
+        cpu.library.cache_clear()
     torch.set_num_threads(1)
     header = None
     for shape in a.shapes:
