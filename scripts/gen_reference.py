@@ -48,6 +48,7 @@ C_GETENV = re.compile(r'getenv\(\s*"([A-Za-z_][A-Za-z0-9_]*)"\s*\)')
 # A name here that the code no longer has is simply not written.
 NOTES = {
     "LLM_TTFT_TRACE": "folder: record first-token timestamps per process (lab trace)",
+    "LLM_PATH_TRACE": "folder: note the files each process runs code from while `<folder>/on` exists",
     "PYTHONPATH": "with bench/attach on it, the lab serves the checkout it names (`overhead_ab NAME@tree=DIR`)",
     "OUT": "gpu_check.py writes its logs under $OUT/gpu_check",
     "TMPDIR": "gpu_check.py builds its 200 MB checkpoint here",
