@@ -10,7 +10,10 @@ int8 (``w8_gemm``, also what the fused decode step calls) quantizes each activat
 (one scale per row, exact int32 products; activation rounding at most max|x[m]| / (2 Q) per
 element, Q = min(32767, (2^31 - 1) / (127 K)); bound and measurements in docs/quantization.md):
 
-- groups of 32 (the default; K a multiple of 32) on AVX-512BW hosts: csrc/w8_avx512.c at every M
+- groups of 32 packed at load (:func:`pack`, QuantLinear.pack; AVX2 and AVX-512 builds):
+  csrc/w8_packed.c from ``PACKED_MIN_M`` rows (16 output columns per vector, no horizontal sums:
+  ~2.3x the row-major tiles from 4 rows, ``python -m bench.int8_gflops``), the row-major GEMV at 1.
+- row-major groups of 32 (K a multiple of 32) on AVX-512BW hosts: csrc/w8_avx512.c at every M
   (1 row: a 4-stream GEMV). It beat dequantize + MKL and fp32 ``F.linear`` at every M measured
   (1-256 rows, ``python -m bench.int8_crossover``), so there is no BLAS crossover on those hosts.
 - groups of 32 on AVX2 hosts: the 256-bit tiles of csrc/w8_a16.c at 1 row and from ``A16_MIN_M``
