@@ -79,8 +79,9 @@ typedef void (*ptile_fn)(const uint16_t *, int64_t, const uint16_t *, int64_t, c
 static const ptile_fn PTILE[PJ][PT] = {PROW(1), PROW(2), PROW(3), PROW(4)};
 
 /* Column blocks [b0, b1) of y [M, N] (+)= xb [M, K] W^T + bias, W packed (bf16_pack). */
-static void packed_blocks(const uint16_t *xb, int64_t M, int64_t K, const uint16_t *Wp, const float *bias,
+static void packed_blocks(const void *x, int64_t M, int64_t K, const uint16_t *Wp, const float *bias,
                           int64_t N, float *y, int acc, int64_t b0, int64_t b1) {
+    const uint16_t *xb = x;
     const int64_t bstride = K * 16;
     for (int64_t b = b0; b < b1; b += PJ) {
         const int J = (int)(b1 - b < PJ ? b1 - b : PJ);
@@ -94,32 +95,7 @@ static void packed_blocks(const uint16_t *xb, int64_t M, int64_t K, const uint16
     }
 }
 
-typedef struct {
-    const uint16_t *xb; int64_t M, K; const uint16_t *Wp; const float *bias; int64_t N; float *y; int acc;
-    int64_t NB, C;
-} PackedJob;
-
-static void packed_chunk(void *p, int64_t c) {
-    const PackedJob *j = p;
-    packed_blocks(j->xb, j->M, j->K, j->Wp, j->bias, j->N, j->y, j->acc, j->NB * c / j->C, j->NB * (c + 1) / j->C);
-}
-
-int linear_packed_bf16(const uint16_t *xb, int64_t M, int64_t K, const uint16_t *Wp, const float *bias,
-                       int64_t N, float *y, int acc, int T) {
-    if (K & 1) return -1;
-    const int64_t NB = (N + 15) / 16;
-    int64_t C = linear_chunks(T, N);
-    if (C > NB) C = NB;
-    PackedJob j = {xb, M, K, Wp, bias, N, y, acc, NB, C < 1 ? 1 : C};
-    par_for(T, j.C, packed_chunk, &j, 0);
-    return 0;
-}
-#else
-int linear_packed_bf16(const uint16_t *xb, int64_t M, int64_t K, const uint16_t *Wp, const float *bias,
-                       int64_t N, float *y, int acc, int T) {
-    (void)xb; (void)M; (void)K; (void)Wp; (void)bias; (void)N; (void)y; (void)acc; (void)T;
-    return -1;
-}
+#define DOT_BLOCKS packed_blocks
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -164,40 +140,60 @@ DEFINE_ATILE(1) DEFINE_ATILE(2) DEFINE_ATILE(3) DEFINE_ATILE(4)
 typedef void (*aptile_fn)(const float *, int64_t, const uint16_t *, const float *, float *, int64_t, int, int);
 static const aptile_fn APTILE[4] = {aptile_1, aptile_2, aptile_3, aptile_4};
 
-typedef struct {
-    const float *xr; int64_t M, K; const uint16_t *Wp; const float *bias; int64_t N; float *y; int acc;
-    int64_t NB, C;
-} AvxPackedJob;
-
-static void avx2_packed_chunk(void *p, int64_t c) {
-    const AvxPackedJob *j = p;
-    const int64_t b0 = j->NB * c / j->C, b1 = j->NB * (c + 1) / j->C;
+/* Column blocks [b0, b1) of y [M, N] (+)= xr [M, K] W^T + bias, W packed, xr fp32 rounded to bf16. */
+static void avx2_blocks(const void *x, int64_t M, int64_t K, const uint16_t *Wp, const float *bias,
+                        int64_t N, float *y, int acc, int64_t b0, int64_t b1) {
+    const float *xr = x;
     for (int64_t b = b0; b < b1; b++) {
         const int64_t n = b * 16;
-        const int last = (int)(j->N - n < 16 ? j->N - n : 16);
-        for (int64_t t0 = 0; t0 < j->M; t0 += 4) {
-            const int T = (int)(j->M - t0 < 4 ? j->M - t0 : 4);
-            APTILE[T - 1](j->xr + t0 * j->K, j->K, j->Wp + b * j->K * 16, j->bias ? j->bias + n : NULL,
-                          j->y + t0 * j->N + n, j->N, j->acc, last);
+        const int last = (int)(N - n < 16 ? N - n : 16);
+        for (int64_t t0 = 0; t0 < M; t0 += 4) {
+            const int T = (int)(M - t0 < 4 ? M - t0 : 4);
+            APTILE[T - 1](xr + t0 * K, K, Wp + b * K * 16, bias ? bias + n : NULL, y + t0 * N + n, N, acc, last);
         }
     }
 }
+#define AVX2_BLOCKS avx2_blocks
+#endif
 
-/* y (+)= xr Wp^T + bias, xr fp32 rows rounded to bf16; 0 done, -1 not taken (K odd). */
-int linear_packed_avx2(const float *xr, int64_t M, int64_t K, const uint16_t *Wp, const float *bias,
-                       int64_t N, float *y, int acc, int T) {
-    if (K & 1) return -1;
+/* One parallel loop over column blocks with either kernel set: chunks of whole blocks. */
+typedef void (*blocks_fn)(const void *x, int64_t M, int64_t K, const uint16_t *Wp, const float *bias,
+                          int64_t N, float *y, int acc, int64_t b0, int64_t b1);
+typedef struct {
+    blocks_fn fn; const void *x; int64_t M, K; const uint16_t *Wp; const float *bias; int64_t N; float *y;
+    int acc; int64_t NB, C;
+} PackedJob;
+
+static void packed_chunk(void *p, int64_t c) {
+    const PackedJob *j = p;
+    j->fn(j->x, j->M, j->K, j->Wp, j->bias, j->N, j->y, j->acc, j->NB * c / j->C, j->NB * (c + 1) / j->C);
+}
+
+static int packed_run(blocks_fn fn, const void *x, int64_t M, int64_t K, const uint16_t *Wp, const float *bias,
+                      int64_t N, float *y, int acc, int T) {
+    if (!fn || (K & 1)) return -1;
     const int64_t NB = (N + 15) / 16;
     int64_t C = linear_chunks(T, N);
     if (C > NB) C = NB;
-    AvxPackedJob j = {xr, M, K, Wp, bias, N, y, acc, NB, C < 1 ? 1 : C};
-    par_for(T, j.C, avx2_packed_chunk, &j, 0);
+    PackedJob j = {fn, x, M, K, Wp, bias, N, y, acc, NB, C < 1 ? 1 : C};
+    par_for(T, j.C, packed_chunk, &j, 0);
     return 0;
 }
-#else
+
+#ifndef DOT_BLOCKS
+#define DOT_BLOCKS NULL
+#endif
+#ifndef AVX2_BLOCKS
+#define AVX2_BLOCKS NULL
+#endif
+
+int linear_packed_bf16(const uint16_t *xb, int64_t M, int64_t K, const uint16_t *Wp, const float *bias,
+                       int64_t N, float *y, int acc, int T) {
+    return packed_run(DOT_BLOCKS, xb, M, K, Wp, bias, N, y, acc, T);
+}
+
+/* y (+)= xr Wp^T + bias, xr fp32 rows rounded to bf16; 0 done, -1 not taken (no AVX2, K odd). */
 int linear_packed_avx2(const float *xr, int64_t M, int64_t K, const uint16_t *Wp, const float *bias,
                        int64_t N, float *y, int acc, int T) {
-    (void)xr; (void)M; (void)K; (void)Wp; (void)bias; (void)N; (void)y; (void)acc; (void)T;
-    return -1;
+    return packed_run(AVX2_BLOCKS, xr, M, K, Wp, bias, N, y, acc, T);
 }
-#endif
