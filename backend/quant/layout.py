@@ -102,7 +102,8 @@ def quantize_int8(w: torch.Tensor, group_size: int | None = None, reference: boo
         best_err = best_s = None
         for r in INT8_RATIOS:
             s = (base * torch.tensor(r, dtype=torch.float32)).half().float()
-            qc = torch.round(wg / s.clamp_min(6e-8).unsqueeze(-1)).clamp_(-127, 127)
+            # 2^-24: the smallest fp16 subnormal, so only a zero scale (an all-zero group) is lifted
+            qc = torch.round(wg / s.clamp_min(2.0 ** -24).unsqueeze(-1)).clamp_(-127, 127)
             err = torch.where(valid, qc * s.unsqueeze(-1) - wg, 0).square().sum(-1)
             err = torch.where(s > 0, err, torch.inf)
             if best_err is None:
@@ -110,7 +111,7 @@ def quantize_int8(w: torch.Tensor, group_size: int | None = None, reference: boo
             else:
                 better = err < best_err
                 best_err, best_s = torch.where(better, err, best_err), torch.where(better, s, best_s)
-        qc = torch.round(wg / best_s.clamp_min(6e-8).unsqueeze(-1)).clamp_(-127, 127)
+        qc = torch.round(wg / best_s.clamp_min(2.0 ** -24).unsqueeze(-1)).clamp_(-127, 127)
         q[r0:r0 + 256] = torch.where(best_s.unsqueeze(-1) > 0, qc, 0).to(torch.int8).view(wg.shape[0], -1)
         scale[r0:r0 + 256] = best_s.half()
     return QuantWeight("int8", q[:, :k].contiguous(), scale, None, g, k)

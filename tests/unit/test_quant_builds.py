@@ -51,3 +51,19 @@ def test_portable_builds_match_the_reference(march, int16):
             q = min(32767, (2**31 - 1) // (127 * k))
             tol = dq.abs().sum(1)[None, :] * x.abs().amax(1, keepdim=True) / (2 * q) if a16 else 0.0
             assert ((y - ref).abs() <= tol + 1e-5 * ref.abs().max()).all(), (march, method, m, k, group)
+
+
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])
+def test_portable_builds_quantize_like_the_reference(march):
+    """csrc/w8_quantize.c's scale search on the other builds (the 8-lane group loop on AVX2, the
+    portable fp16 rounding without F16C): the torch reference's scales and bytes."""
+    lib = _lib(march)
+    lib.w8_quantize.argtypes = [_P, _I, _I, _I, _P, _P, _C]
+    torch.manual_seed(4)
+    for n, k, group in [(40, 576, 32), (9, 100, 32), (5, 77, 77)]:
+        w = torch.randn(n, k) * torch.logspace(-6, 1, n)[:, None]     # tiny rows: fp16 subnormal scales
+        w[0, :32] = 0
+        ref = layout.quantize_int8(w, group, reference=True)
+        q, s = torch.empty(n, k, dtype=torch.int8), torch.empty_like(ref.scales)
+        lib.w8_quantize(w.data_ptr(), n, k, group, q.data_ptr(), s.data_ptr(), 1)
+        assert s.equal(ref.scales) and q.equal(ref.qweight), (march, n, k, group)
