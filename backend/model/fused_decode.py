@@ -46,7 +46,7 @@ from common import env
 
 log = logging.getLogger("triton_llm.model")
 MAX_TOKENS = 8192  # steps with a prefill chunk: fused up to this many new tokens (faster up to 2048 measured, bench/ab_fused_step.py)
-QUANT_MAX_TOKENS = 192  # int8/int4 projections: past this the torch path (dequantize + MKL) is faster
+QUANT_MAX_TOKENS = 192  # int4 projections: past this the torch path (dequantize + MKL) is faster
 KEEP_ROWS = 256    # the decoder keeps its scratch for steps up to this many tokens; larger ones get their own
 GEMM_MIN_M = 64    # measured on a Zen 3 core: the C tiles beat MKL up to at least M = 32 (docs/kernels.md)
 _P, _I = ctypes.c_void_p, ctypes.c_int64
@@ -201,6 +201,7 @@ class FusedDecoder:
                                                         if self.bf16 else None)
         quant = {}
         self.quantized = any(_is_quant(p) for p in projs)     # int8/int4 projections (not just the head)
+        self.int4 = any(_is_quant(p) and p.method == "int4" for p in projs)
         if self.quantized or self.bf16 or head is not None:
             self._qw = (_QW * len(projs))(*[_qw(p) for p in projs])
             self._head_q = head_qw
@@ -238,12 +239,13 @@ class FusedDecoder:
     def accepts(self, num_tokens: int, num_seqs: int) -> bool:
         """Every all-decode step (each sequence brings one token); a step with prefill chunks
         (mixed or prefill-only) when its new tokens are at most :attr:`max_tokens` -- for a model
-        with int8/int4 projections at most QUANT_MAX_TOKENS: past that, the torch path's
-        dequantize + MKL sgemm beats the quant library's GEMM (SmolLM2 int8 prefill, one thread:
-        fused 1.16x at 136 tokens, 1.04x at 192, 0.79x at 512)."""
+        with int4 projections at most QUANT_MAX_TOKENS: past that, the torch path's dequantize +
+        MKL sgemm beats the int4 GEMM. int8 on its packed layout is faster at every length (SmolLM2
+        prefill, 2 threads, loaded Zen 4: fused 252 / 264 / 614 / 1567 ms against 314 / 384 / 3968 /
+        3115 at 192 / 256 / 512 / 1024 tokens)."""
         if num_tokens == num_seqs:
             return True
-        return num_tokens <= (min(self.max_tokens, QUANT_MAX_TOKENS) if self.quantized else self.max_tokens)
+        return num_tokens <= (min(self.max_tokens, QUANT_MAX_TOKENS) if self.int4 else self.max_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                 block_tables: torch.Tensor, seq_lens: torch.Tensor, logits_indices: torch.Tensor,

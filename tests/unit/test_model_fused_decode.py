@@ -494,14 +494,15 @@ def test_two_threads_match_one(runner):
     assert_close(two, one)
 
 
-def test_quantized_models_send_long_prefill_steps_to_the_torch_path(qrunner, runner):
-    """int8/int4 projections: a step with prefill chunks is fused only up to QUANT_MAX_TOKENS new
-    tokens (past that the torch path's dequantize + MKL is faster); all-decode steps always; an
-    fp32 model keeps the whole budget."""
+def test_int4_models_send_long_prefill_steps_to_the_torch_path(qrunner, runner):
+    """int4 projections: a step with prefill chunks is fused only up to QUANT_MAX_TOKENS new tokens
+    (past that the torch path's dequantize + MKL is faster); int8 (packed) and fp32 keep the whole
+    budget; all-decode steps always."""
     cap = fused_decode.QUANT_MAX_TOKENS
     q = qrunner.fused
     assert q.quantized and not runner.fused.quantized
-    assert q.accepts(num_tokens=cap, num_seqs=2) and not q.accepts(num_tokens=cap + 1, num_seqs=2)
+    assert q.accepts(num_tokens=cap, num_seqs=2)
+    assert q.accepts(num_tokens=cap + 1, num_seqs=2) == (not q.int4 and cap + 1 <= q.max_tokens)
     assert q.accepts(num_tokens=cap + 40, num_seqs=cap + 40)
     assert runner.fused.accepts(num_tokens=cap + 1, num_seqs=2) == (cap + 1 <= runner.fused.max_tokens)
 
