@@ -45,7 +45,8 @@ class EngineConfig:
                                                   # half KV halves the bytes attention reads per context token
     quantization: str = "none"                    # none | int8 | int4: weight-only, decoder projections (backend/quant)
     quant_group_size: int = 32                    # inputs per weight scale (int4: a multiple of 32); int8: 0 = one per output channel
-    quant_lm_head: bool = False                   # the LM head too (a tied head gets a quantized copy)
+    quant_lm_head: bool | None = None             # the LM head too (a tied head gets a quantized copy); None: with int8
+                                                  # (as llama.cpp's Q8_0 files; same agreement with fp32, half the bytes)
     device: str = "cpu"                           # torch device of the model and KV pool (cpu, cuda)
     attention_backend: str = "auto"               # auto | torch | triton
     seed: int = 0                                 # seed of the engine's sampler (a request's own seed wins)
@@ -59,6 +60,12 @@ class EngineConfig:
             raise ValueError(f"quantization must be none, int8 or int4 (got {self.quantization!r})")
         if self.kv_cache_dtype not in ("auto", "fp16", "bf16", "float16", "bfloat16"):
             raise ValueError(f"kv_cache_dtype must be auto, fp16 or bf16 (got {self.kv_cache_dtype!r})")
+
+    @property
+    def head_quantized(self) -> bool:
+        """Whether the LM head is quantized: ``quant_lm_head``, or by default with int8 weights."""
+        return self.quantization == "int8" if self.quant_lm_head is None else self.quant_lm_head
+
 
 
 @dataclass

@@ -61,7 +61,7 @@ def reported_parameters(model_dir: str | pathlib.Path, args) -> dict[str, str]:
     served with ``args`` (backend.config.EngineConfig)."""
     dtype = parse_dtype(args.dtype, args.device)
     s = planned_summary(model_dir, dtype=dtype, quantization=args.quantization, group_size=args.quant_group_size,
-                        lm_head=args.quant_lm_head)
+                        lm_head=args.head_quantized)
     return {P.WEIGHTS_DTYPE: str(dtype).removeprefix("torch."), P.WEIGHTS_QUANTIZATION: s["method"],
             P.WEIGHTS_GROUP_SIZE: "" if s["group_size"] is None else str(s["group_size"]),
             P.WEIGHT_BYTES: str(s["weight_bytes"])}

@@ -83,7 +83,7 @@ def test_generate_repository_writes_what_the_engine_will_load(tmp_path, opts, wa
     args = EngineArgs.from_dict(opts).engine
     d = model_dir("tiny")
     loaded = load_model(d, load_model_config(d), dtype=parse_dtype(args.dtype, "cpu"), quantization=args.quantization,
-                        quant_group_size=args.quant_group_size).quantization
+                        quant_group_size=args.quant_group_size, quant_lm_head=args.head_quantized).quantization
     assert int(params[P.WEIGHT_BYTES]) == loaded["weight_bytes"]
 
 
