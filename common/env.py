@@ -38,8 +38,6 @@ VARS: dict[str, Var] = {v.name: v for v in [
     Var("TRITON_LLM_FUSED_MAX_TOKENS", None, "steps with more new tokens than this run the torch path"),
     Var("TRITON_LLM_FUSED_GEMM_MIN_M", None, "fused-step fp32 linears with at least this many rows call MKL's sgemm"),
     Var("TRITON_LLM_AMX", "1", "0: bf16 linears never use AMX tiles"),
-    Var("TRITON_LLM_POOL_KEEP_NICE", "0", "1: the fused step's pool workers keep the engine thread's nice value"),
-    Var("TRITON_LLM_POOL_PIN", "0", "1: the fused step's threads bound to one CPU each (when there are enough)"),
     Var("TRITON_LLM_HUGE_PAGES", "1", "0: weights stay in torch's allocations (no MADV_HUGEPAGE arena)"),
     Var("TRITON_LLM_CPU_KERNELS", "1", "0: never build or load the C kernels (torch paths only)"),
     Var("TRITON_LLM_KERNEL_CACHE", None, "folder of the compiled C kernels (private, 0700; default build/kernels)"),

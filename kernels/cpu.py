@@ -236,12 +236,6 @@ def load_decode(path: pathlib.Path):
     lib.linear_f32.restype = None
     lib.step_pool_set.argtypes = [ctypes.c_int]
     lib.step_pool_set.restype = None
-    lib.step_pool_keep_nice.argtypes = [ctypes.c_int]
-    lib.step_pool_keep_nice.restype = None
-    lib.step_pool_keep_nice(int(env.flag("TRITON_LLM_POOL_KEEP_NICE")))
-    lib.step_pool_pin.argtypes = [ctypes.c_int]
-    lib.step_pool_pin.restype = None
-    lib.step_pool_pin(int(env.flag("TRITON_LLM_POOL_PIN")))
     for name in ("bf16_dot_supported", "bf16_avx2_supported", "bf16_supported", "amx_supported"):
         getattr(lib, name).argtypes = []
         getattr(lib, name).restype = ctypes.c_int

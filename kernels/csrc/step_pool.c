@@ -44,28 +44,6 @@ static struct {
     _Atomic int64_t n;
 } pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER};
 
-static int keep_nice = 0;            /* 1: workers keep the starting thread's nice (the engine's) */
-static int pin = 0;                  /* 1: the starting thread and each worker bound to one CPU each */
-static cpu_set_t pin_cpus;           /* the CPUs to bind, in order (the starting thread's first) */
-
-/* Before the first parallel loop (workers read them when they start). */
-void step_pool_keep_nice(int on) { keep_nice = on != 0; }
-void step_pool_pin(int on) { pin = on != 0; }
-
-/* The n-th CPU of pin_cpus, or -1. */
-static int nth_cpu(int n) {
-    for (int c = 0; c < CPU_SETSIZE; c++)
-        if (CPU_ISSET(c, &pin_cpus) && n-- == 0) return c;
-    return -1;
-}
-
-static void bind_self(int cpu) {
-    cpu_set_t one;
-    CPU_ZERO(&one);
-    CPU_SET(cpu, &one);
-    pthread_setaffinity_np(pthread_self(), sizeof one, &one);
-}
-
 static inline void cpu_pause(void) {
 #if defined(__x86_64__)
     __builtin_ia32_pause();
@@ -73,14 +51,14 @@ static inline void cpu_pause(void) {
 }
 
 static void *pool_worker(void *arg) {
+    (void)arg;
     pthread_setname_np(pthread_self(), "step-pool");    /* for per-thread profiles (/proc/.../comm) */
-    if (arg) bind_self((int)(intptr_t)arg - 1);
     /* The process's nice value, not the one inherited from the thread that started the pool (the
      * engine thread may run at a higher priority: the stack's other work should preempt a worker,
      * whose chunks the caller takes over, rather than the caller). Raising it is always allowed. */
     const int self_nice = getpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid));
     const int proc_nice = getpriority(PRIO_PROCESS, (id_t)getpid());
-    if (!keep_nice && proc_nice > self_nice) setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), proc_nice);
+    if (proc_nice > self_nice) setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), proc_nice);
     uint64_t seen = atomic_load(&pool.state) >> 32;
     for (;;) {
         uint32_t sq = atomic_load(&pool.seq);
@@ -131,21 +109,12 @@ static int pool_start(int want) {
     if (want > POOL_MAX) want = POOL_MAX;
     if (pool.workers >= want) return pool.workers;      /* only grows; a stale read just locks */
     pthread_mutex_lock(&pool.start_lock);
-    /* Bound threads: a worker woken while its CPU runs another process's thread otherwise lands
-     * beside the caller (the kernel's wake-affine placement) and waits there for the whole step. */
-    int bound = 0;
-    if (pin && pool.workers == 0 && pthread_getaffinity_np(pthread_self(), sizeof pin_cpus, &pin_cpus) == 0
-        && CPU_COUNT(&pin_cpus) >= want + 1) {
-        bind_self(nth_cpu(0));
-        bound = 1;
-    }
     while (pool.workers < want) {
         pthread_t t;
         pthread_attr_t a;
         pthread_attr_init(&a);
         pthread_attr_setdetachstate(&a, PTHREAD_CREATE_DETACHED);
-        const int rc = pthread_create(&t, &a, pool_worker,
-                                      bound ? (void *)(intptr_t)(nth_cpu(pool.workers + 1) + 1) : NULL);
+        const int rc = pthread_create(&t, &a, pool_worker, NULL);
         pthread_attr_destroy(&a);
         if (rc != 0) break;
         pool.workers++;
