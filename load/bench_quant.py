@@ -42,12 +42,13 @@ def prompts(n: int = 20) -> list[str]:
 
 
 def parse_spec(spec: str) -> dict:
-    """``int4@128:bfloat16`` -> engine options (method, then @group size, then :dtype); a ``+head``
-    after the method also quantizes the LM head (``int8+head``: quant_lm_head)."""
+    """``int4@128:bfloat16`` -> engine options (method, then @group size, then :dtype); ``+head`` /
+    ``-head`` after the method quantizes the LM head or keeps it float (``quant_lm_head``; neither:
+    the engine's default, on with int8)."""
     spec = spec.replace("!f32a", "")             # speed: int8 with fp32 activations (see speed())
     rest, _, dtype = spec.partition(":")
-    head = rest.endswith("+head") or "+head@" in rest
-    method, _, group = rest.replace("+head", "").partition("@")
+    head = True if "+head" in rest else False if "-head" in rest else None
+    method, _, group = rest.replace("+head", "").replace("-head", "").partition("@")
     return {"quantization": method, "dtype": dtype or "float32", "quant_group_size": int(group or 32),
             "quant_lm_head": head}
 
