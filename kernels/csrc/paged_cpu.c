@@ -89,6 +89,19 @@ static inline float hsum(v8 a) {
     return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
 }
 
+/* A block's used rows as fp32 (n a multiple of 8): half caches are widened once per block into w,
+ * not once per query head that reads them (a GQA group of g heads read each row g times); the
+ * values are exact, so every sum is the same as widening at each load. fp32: the block itself. */
+static inline const float *widen_f32(const float *p, int64_t n, float *w) { (void)n; (void)w; return p; }
+static inline const float *widen_bf16(const uint16_t *p, int64_t n, float *w) {
+    for (int64_t i = 0; i < n; i += 8) { v8 x = ld_bf16(p + i); memcpy(w + i, &x, sizeof x); }
+    return w;
+}
+static inline const float *widen_f16(const uint16_t *p, int64_t n, float *w) {
+    for (int64_t i = 0; i < n; i += 8) { v8 x = ld_f16(p + i); memcpy(w + i, &x, sizeof x); }
+    return w;
+}
+
 /* s[0..4) = horizontal sums of a0..a3 (one reduction tree for four tokens' scores, instead of
  * four separate ones: the per-token reduction was the score loop's main cost). */
 static inline void hsum4(v8 a0, v8 a1, v8 a2, v8 a3, float scale, float *s) {
@@ -155,35 +168,35 @@ static inline void prefetch_block(const void *cache, const int32_t *table, int64
  * each head's 192-byte slices at a 1-KiB stride through the whole context, once per head: latency-
  * bound, ~10 GB/s, and a half cache then gained only ~10 %). Per head the arithmetic is unchanged:
  * scores in 4-token groups (hsum4), softmax, V accumulated token by token in fp32. */
-#define DEFINE_ROW_VEC(NAME, KT, VLOAD, ND)                                                        \
+#define DEFINE_ROW_VEC(NAME, KT, WIDEN, ND)                                                        \
 static void NAME(const float *qrow, const KT *kc, const KT *vc, const int32_t *table, int64_t n,   \
-                 int64_t bs, int64_t hq, int64_t hkv, float scale, float *s, float *o) {           \
+                 int64_t bs, int64_t hq, int64_t hkv, float scale, float *s, float *o, float *wk) { \
     const int64_t D = 8 * ND, row_stride = hkv * D, g_n = hq / hkv;                                \
     const int64_t blk = bs * row_stride, nb = (n + bs - 1) / bs;                                   \
     const int64_t row_bytes = row_stride * (int64_t)sizeof(KT);                                    \
     for (int64_t b = 0, t0 = 0; b < nb; b++, t0 += bs) {                                           \
-        const KT *kb = kc + (int64_t)table[b] * blk;                                               \
         const int64_t m = n - t0 < bs ? n - t0 : bs;                                               \
         if (b + 1 < nb) prefetch_block(kc, table, b + 1, n, bs, row_bytes);                        \
+        const float *kb = WIDEN(kc + (int64_t)table[b] * blk, m * row_stride, wk);                 \
         for (int64_t qh = 0; qh < hq; qh++) {                                                      \
             v8 q[ND];                                                                              \
             for (int j = 0; j < ND; j++) q[j] = ld_f32(qrow + qh * D + 8 * j);                     \
-            const KT *k = kb + (qh / g_n) * D;                                                     \
+            const float *k = kb + (qh / g_n) * D;                                                  \
             float *sh = s + qh * n + t0;                                                           \
             int64_t t = 0;                                                                         \
             for (; t + 4 <= m; t += 4, k += 4 * row_stride) {                                      \
-                const KT *k1 = k + row_stride, *k2 = k1 + row_stride, *k3 = k2 + row_stride;       \
-                v8 a0 = q[0] * VLOAD(k), a1 = q[0] * VLOAD(k1), a2 = q[0] * VLOAD(k2),             \
-                   a3 = q[0] * VLOAD(k3);                                                          \
+                const float *k1 = k + row_stride, *k2 = k1 + row_stride, *k3 = k2 + row_stride;    \
+                v8 a0 = q[0] * ld_f32(k), a1 = q[0] * ld_f32(k1), a2 = q[0] * ld_f32(k2),          \
+                   a3 = q[0] * ld_f32(k3);                                                         \
                 for (int j = 1; j < ND; j++) {                                                     \
-                    a0 += q[j] * VLOAD(k + 8 * j); a1 += q[j] * VLOAD(k1 + 8 * j);                 \
-                    a2 += q[j] * VLOAD(k2 + 8 * j); a3 += q[j] * VLOAD(k3 + 8 * j);                \
+                    a0 += q[j] * ld_f32(k + 8 * j); a1 += q[j] * ld_f32(k1 + 8 * j);               \
+                    a2 += q[j] * ld_f32(k2 + 8 * j); a3 += q[j] * ld_f32(k3 + 8 * j);              \
                 }                                                                                  \
                 hsum4(a0, a1, a2, a3, scale, sh + t);                                              \
             }                                                                                      \
             for (; t < m; t++, k += row_stride) {                                                  \
-                v8 a = q[0] * VLOAD(k);                                                            \
-                for (int j = 1; j < ND; j++) a += q[j] * VLOAD(k + 8 * j);                         \
+                v8 a = q[0] * ld_f32(k);                                                           \
+                for (int j = 1; j < ND; j++) a += q[j] * ld_f32(k + 8 * j);                        \
                 sh[t] = hsum(a) * scale;                                                           \
             }                                                                                      \
         }                                                                                          \
@@ -192,18 +205,18 @@ static void NAME(const float *qrow, const KT *kc, const KT *vc, const int32_t *t
     memset(o, 0, sizeof(float) * (size_t)(hq * D));                                                \
     if (nb > 0) prefetch_block(vc, table, 0, n, bs, row_bytes);                                    \
     for (int64_t b = 0, t0 = 0; b < nb; b++, t0 += bs) {                                           \
-        const KT *vb = vc + (int64_t)table[b] * blk;                                               \
         const int64_t m = n - t0 < bs ? n - t0 : bs;                                               \
         if (b + 1 < nb) prefetch_block(vc, table, b + 1, n, bs, row_bytes);                        \
+        const float *vb = WIDEN(vc + (int64_t)table[b] * blk, m * row_stride, wk);                 \
         for (int64_t qh = 0; qh < hq; qh++) {                                                      \
             v8 acc[ND];                                                                            \
             float *oh = o + qh * D;                                                                \
             for (int j = 0; j < ND; j++) acc[j] = ld_f32(oh + 8 * j);                              \
-            const KT *v = vb + (qh / g_n) * D;                                                     \
+            const float *v = vb + (qh / g_n) * D;                                                  \
             const float *ph = s + qh * n + t0;                                                     \
             for (int64_t t = 0; t < m; t++, v += row_stride) {                                     \
                 v8 p = (v8){0} + ph[t];                                                            \
-                for (int j = 0; j < ND; j++) acc[j] += p * VLOAD(v + 8 * j);                       \
+                for (int j = 0; j < ND; j++) acc[j] += p * ld_f32(v + 8 * j);                      \
             }                                                                                      \
             for (int j = 0; j < ND; j++) memcpy(oh + 8 * j, &acc[j], sizeof(v8));                  \
         }                                                                                          \
@@ -229,11 +242,11 @@ static void NAME(const float *qg, const KT *kc, const KT *vc, const int32_t *tab
 }
 
 #define DEFINE_ATTEND(NAME, KT, SFX, LOAD)                                                         \
-DEFINE_ROW_VEC(row4_##SFX, KT, ld_##SFX, 4)                                                        \
-DEFINE_ROW_VEC(row6_##SFX, KT, ld_##SFX, 6)                                                        \
-DEFINE_ROW_VEC(row8_##SFX, KT, ld_##SFX, 8)                                                        \
-DEFINE_ROW_VEC(row12_##SFX, KT, ld_##SFX, 12)                                                      \
-DEFINE_ROW_VEC(row16_##SFX, KT, ld_##SFX, 16)                                                      \
+DEFINE_ROW_VEC(row4_##SFX, KT, widen_##SFX, 4)                                                     \
+DEFINE_ROW_VEC(row6_##SFX, KT, widen_##SFX, 6)                                                     \
+DEFINE_ROW_VEC(row8_##SFX, KT, widen_##SFX, 8)                                                     \
+DEFINE_ROW_VEC(row12_##SFX, KT, widen_##SFX, 12)                                                   \
+DEFINE_ROW_VEC(row16_##SFX, KT, widen_##SFX, 16)                                                   \
 DEFINE_HEAD_ANY(head_any_##SFX, KT, LOAD)                                                          \
 int NAME(const float *q, const KT *kc, const KT *vc, const int32_t *tables, int64_t table_stride,  \
          const int64_t *rows, const int32_t *seq, const int32_t *ctx, int64_t nrows, int64_t hq,   \
@@ -241,17 +254,18 @@ int NAME(const float *q, const KT *kc, const KT *vc, const int32_t *tables, int6
     int64_t g_n = hq / hkv, max_ctx = 1;                                                           \
     for (int64_t r = 0; r < nrows; r++) if (ctx[r] > max_ctx) max_ctx = ctx[r];                     \
     float *s = malloc(sizeof(float) * (size_t)(max_ctx * hq));                                     \
-    if (!s) return -1;                                                                             \
+    float *wk = malloc(sizeof(float) * (size_t)(bs * hkv * d));     /* one widened block */        \
+    if (!s || !wk) { free(s); free(wk); return -1; }                                               \
     for (int64_t r = 0; r < nrows; r++) {                                                          \
         const int32_t *table = tables + (int64_t)seq[r] * table_stride;                           \
         const float *qr = q + rows[r] * hq * d;                                                    \
         float *orow = out + rows[r] * hq * d;                                                      \
         switch (d) {                                                                               \
-        case 32: row4_##SFX(qr, kc, vc, table, ctx[r], bs, hq, hkv, scale, s, orow); continue;     \
-        case 48: row6_##SFX(qr, kc, vc, table, ctx[r], bs, hq, hkv, scale, s, orow); continue;     \
-        case 64: row8_##SFX(qr, kc, vc, table, ctx[r], bs, hq, hkv, scale, s, orow); continue;     \
-        case 96: row12_##SFX(qr, kc, vc, table, ctx[r], bs, hq, hkv, scale, s, orow); continue;    \
-        case 128: row16_##SFX(qr, kc, vc, table, ctx[r], bs, hq, hkv, scale, s, orow); continue;   \
+        case 32: row4_##SFX(qr, kc, vc, table, ctx[r], bs, hq, hkv, scale, s, orow, wk); continue;     \
+        case 48: row6_##SFX(qr, kc, vc, table, ctx[r], bs, hq, hkv, scale, s, orow, wk); continue;     \
+        case 64: row8_##SFX(qr, kc, vc, table, ctx[r], bs, hq, hkv, scale, s, orow, wk); continue;     \
+        case 96: row12_##SFX(qr, kc, vc, table, ctx[r], bs, hq, hkv, scale, s, orow, wk); continue;    \
+        case 128: row16_##SFX(qr, kc, vc, table, ctx[r], bs, hq, hkv, scale, s, orow, wk); continue;   \
         }                                                                                          \
         for (int64_t qh = 0; qh < hq; qh++) {                                                      \
             const int64_t h = qh / g_n;                                                            \
@@ -260,6 +274,7 @@ int NAME(const float *q, const KT *kc, const KT *vc, const int32_t *tables, int6
         }                                                                                          \
     }                                                                                              \
     free(s);                                                                                       \
+    free(wk);                                                                                      \
     return 0;                                                                                      \
 }
 
