@@ -4,7 +4,6 @@ for 150 conversations as for one; the JSON is made in the thread pool."""
 from __future__ import annotations
 
 import asyncio
-import sys
 from types import SimpleNamespace
 
 import httpx
@@ -13,6 +12,7 @@ from fastapi import FastAPI
 from client.chat import mount_chat
 from client.shim.errors import install_handlers
 from client.shim.tenants import InFlight, KeyStore, parse_key_entry
+from tests.unit.loop_helpers import loop_calls
 
 
 def make_app(tmp_path) -> FastAPI:
@@ -23,22 +23,6 @@ def make_app(tmp_path) -> FastAPI:
     mount_chat(app, SimpleNamespace(chat_db_path=str(tmp_path / "chat.sqlite"), max_model_len=256,
                                     model_name="tiny", model_dir=None))
     return app
-
-
-async def loop_calls(request) -> tuple[int, httpx.Response]:
-    """Python calls made on this (the event loop's) thread while ``request()`` runs."""
-    n = [0]
-
-    def profile(frame, event, arg):
-        if event == "call":
-            n[0] += 1
-
-    sys.setprofile(profile)
-    try:
-        r = await request()
-    finally:
-        sys.setprofile(None)
-    return n[0], r
 
 
 def test_listing_conversations_costs_the_loop_the_same_for_one_or_many(tmp_path):

@@ -17,6 +17,7 @@ from fastapi.testclient import TestClient
 from client.chat.tokens import TokenCounter
 from client.shim.app import create_app
 from client.shim.settings import ShimSettings
+from tests.unit.loop_helpers import loop_calls
 
 TEXTS = ["", "hello", "héllo 你好 🙂 \t\n  spaced   out", "<|im_start|>user\nhi<|im_end|>\n" * 3,
          "answer words " * 2000, "".join(chr(c) for c in range(32, 2000)), "x" * 5000 + " y"]
@@ -122,26 +123,12 @@ def test_the_first_chat_request_after_startup_builds_nothing_on_the_loop(tmp_pat
     app = create_app(settings, client=NoServer())
     gc.unfreeze()
 
-    async def calls_of(request) -> tuple[int, httpx.Response]:
-        n = [0]
-
-        def profile(frame, event, arg):
-            if event == "call":
-                n[0] += 1
-
-        sys.setprofile(profile)
-        try:
-            r = await request()
-        finally:
-            sys.setprofile(None)
-        return n[0], r
-
     async def scenario():
         async with app.router.lifespan_context(app):
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
                                          headers={"Authorization": "Bearer sk-a"}) as http:
                 assert (await http.get("/health")).status_code == 200     # the client's own first use
-                runs = [await calls_of(lambda: http.post("/api/conversations", json={})) for _ in range(2)]
+                runs = [await loop_calls(lambda: http.post("/api/conversations", json={})) for _ in range(2)]
         return runs
 
     try:
