@@ -6,15 +6,9 @@ builds in about a second (a ``torch.utils.cpp_extension`` build compiles torch's
 minute on 2 cores), and it is independent of the torch version. ctypes releases the GIL during the
 call, so the engine's response thread runs meanwhile.
 
-Cache: ``build/kernels/paged_cpu-<hash>.so`` where the hash covers the source, the compiler flags
-and this CPU's flags (``-march=native`` code must not run on another CPU), or
-``$TRITON_LLM_KERNEL_CACHE``; where the repository is not writable, ``~/.cache/triton_llm/kernels``.
-Why the checks: ``ctypes.CDLL`` runs a library's constructors in this process, so a library another
-user could plant or change is code execution as us. The folder must be owned by this user and is
-made (or tightened to) mode 0700; a folder owned by someone else is refused, and a cached library
-is loaded only if it is ours and not group/other-writable (else rebuilt). No predictable shared
-``/tmp`` path: with no usable folder the kernels are off (the torch path). ``TRITON_LLM_CPU_KERNELS=0``
-turns the kernels off.
+Cache and trust: common/native.py (``build/kernels/paged_cpu-<hash>.so``, a private 0700 folder,
+owner-checked before loading; no shared ``/tmp`` fallback: with no usable folder the kernels are
+off, the torch path). ``TRITON_LLM_CPU_KERNELS=0`` turns the kernels off.
 
 :func:`decode_library` is the second library: ``csrc/decode_cpu.c`` (a whole model step, decodes
 and prefill chunks, in one call; used by backend/model/fused_decode.py) built with the other
@@ -26,18 +20,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
 import pathlib
-import platform
-import shutil
-import stat
-import subprocess
 
 import torch
 
 from common import env
+from common.native import build, load_library
 
 log = logging.getLogger("triton_llm.kernels")
 SOURCE = pathlib.Path(__file__).with_name("csrc") / "paged_cpu.c"
@@ -52,98 +41,17 @@ _P = ctypes.c_void_p
 _I = ctypes.c_int64
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _private_dir(d: pathlib.Path, uid: int | None = None) -> bool:
-    """Make ``d`` (if missing) and check it is a real folder owned by ``uid`` (this user); tighten
-    it to 0700. False (and a warning) when it cannot be made or belongs to someone else."""
-    uid = os.geteuid() if uid is None else uid
-    try:
-        d.mkdir(parents=True, mode=0o700, exist_ok=True)
-        st = os.lstat(d)
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid:
-            log.warning("kernel cache %s is not a folder owned by uid %d: not used", d, uid)
-            return False
-        if stat.S_IMODE(st.st_mode) != 0o700:
-            os.chmod(d, 0o700)
-        return True
-    except OSError as exc:
-        log.warning("kernel cache %s unusable: %s", d, exc)
-        return False
-
-
-def _cache_dir(uid: int | None = None) -> pathlib.Path | None:
-    """The compiled-kernel folder (module docstring), or None: no private folder to be had."""
-    chosen = env.raw("TRITON_LLM_KERNEL_CACHE")
-    if chosen:                  # the user's explicit choice: that folder or none
-        return pathlib.Path(chosen) if _private_dir(pathlib.Path(chosen), uid) else None
-    for d in (pathlib.Path(__file__).resolve().parents[1] / "build" / "kernels",
-              pathlib.Path.home() / ".cache" / "triton_llm" / "kernels"):
-        if _private_dir(d, uid):
-            return d
-    return None
-
-
-def _trusted(lib: pathlib.Path, uid: int | None = None) -> bool:
-    """A library we may load: a regular file owned by ``uid`` and writable by no one else, in a
-    folder owned by ``uid`` with mode 0700."""
-    uid = os.geteuid() if uid is None else uid
-    try:
-        d, f = os.lstat(lib.parent), os.lstat(lib)
-    except OSError:
-        return False
-    return (stat.S_ISDIR(d.st_mode) and d.st_uid == uid and stat.S_IMODE(d.st_mode) == 0o700
-            and stat.S_ISREG(f.st_mode) and f.st_uid == uid and not f.st_mode & 0o022)
-
-
-def load_library(path: pathlib.Path) -> ctypes.CDLL:
-    """``ctypes.CDLL`` of a library in the kernel cache, after :func:`_trusted`; OSError if not."""
-    if not _trusted(path):
-        raise OSError(f"refusing to load {path}: not owned by this user in a private (0700) folder")
-    return ctypes.CDLL(str(path))
-
-
 def _disabled() -> bool:
     return not env.flag("TRITON_LLM_CPU_KERNELS")
 
 
 def _build(source: pathlib.Path = SOURCE, flags: list[str] = FLAGS,
            extra: tuple[pathlib.Path, ...] | None = None) -> pathlib.Path | None:
-    """Build ``source`` (+ ``extra`` sources into the same library; None: :data:`PAGED_EXTRA` for
-    :data:`SOURCE`, none for another) once into the cache (also used by backend/quant/cpu.py);
-    None on failure."""
+    """Build ``source`` (+ ``extra``; None: :data:`PAGED_EXTRA` for :data:`SOURCE`, none for another)
+    once into the cache (common/native.py; also used by backend/quant/cpu.py); None on failure."""
     if extra is None:
         extra = PAGED_EXTRA if source == SOURCE else ()
-    cc = shutil.which(env.raw("CC") or "cc") or shutil.which("gcc") or shutil.which("clang")
-    if cc is None:
-        return None
-    headers = sorted(source.parent.glob("*.h"))          # included by the sources (simd_exp.h)
-    key = hashlib.sha256(source.read_bytes() + b"".join(p.read_bytes() for p in (*extra, *headers))
-                         + " ".join(flags).encode() + _cpu_flags().encode()
-                         + platform.machine().encode()).hexdigest()[:16]
-    cache = _cache_dir()
-    if cache is None:
-        return None
-    out = cache / f"{source.stem}-{key}.so"
-    if out.exists() and _trusted(out):
-        return out
-    tmp = out.with_name(f".{out.name}.{os.getpid()}")       # a stale or foreign file is replaced
-    proc = subprocess.run([cc, *flags, "-o", str(tmp), str(source), *map(str, extra), "-lm"],
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        log.warning("CPU kernel %s did not build (torch fallback): %s", source.name, proc.stderr[-500:])
-        return None
-    os.chmod(tmp, 0o700)            # whatever the umask: writable by no one else (_trusted)
-    os.replace(tmp, out)            # atomic: processes building at once each publish a whole file
-    return out
+    return build(source, flags, extra, what="CPU kernel (torch fallback)")
 
 
 @functools.lru_cache(maxsize=1)

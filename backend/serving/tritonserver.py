@@ -4,7 +4,7 @@
         client = grpcclient.InferenceServerClient(server.grpc_url)
 
 ``start()`` finds the install, renders the repository, spawns the server in its own process group
-(backend/serving/process_group.py) and waits until it is ready or explains why it is not;
+(process_group.py; its admin key off the command line, argv_secret.py) and waits until it is ready;
 ``drain()`` unloads the generation models so open requests finish and new ones are refused;
 ``stop()`` ends the whole group; ``restart()`` starts a server that exited again on the same ports.
 """
@@ -23,6 +23,7 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from backend.serving.argv_secret import hide
 from backend.serving.drain_watch import remove_drain, write_drain
 from backend.serving.install import TritonInstall, backend_directory, find_tritonserver, server_env
 from backend.serving.process_group import free_port, spawn, terminate_group
@@ -112,10 +113,8 @@ class TritonServer:
             f"--http-address={self.host}", f"--http-port={self.http_port}",
             f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
             f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
-            "--allow-metrics=true",
-            f"--log-verbose={self.log_verbose}",
-            "--exit-on-error=true", "--strict-readiness=true",
-            f"--exit-timeout-secs={self.exit_timeout}",
+            "--allow-metrics=true", f"--log-verbose={self.log_verbose}",
+            "--exit-on-error=true", "--strict-readiness=true", f"--exit-timeout-secs={self.exit_timeout}",
             # Explicit model control only so drain() can unload models (in-flight requests finish,
             # new ones are refused); the repository API is locked behind a per-run admin key.
             "--model-control-mode=explicit", "--load-model=*",
@@ -136,14 +135,14 @@ class TritonServer:
                                          engine_options=self.engine_options, models=self.models,
                                          instances=self.instances, src=self.repository_src)
         for attempt in (1, 2):
-            self.proc = spawn(self.command(install, repository, backends, attempt), self.log_path, cwd=self.workdir,
-                              env=stub_env(server_env(install)))
+            cmd, env, key_file = hide(self.command(install, repository, backends, attempt), self._admin_key,
+                                      self.workdir, stub_env(server_env(install)))
+            self.proc = spawn(cmd, self.log_path, cwd=self.workdir, env=env)
             try:
                 self._wait_ready()
                 return self
             except ServerStartError as exc:
-                # tritonserver 2.51 sometimes aborts while starting a Python stub on a heavily loaded
-                # host (boost::interprocess::lock_exception): a transient race, so one more try
+                # 2.51 may abort starting a stub on a loaded host (lock_exception): transient, retry once
                 if attempt == 2 or "lock_exception" not in str(exc):
                     self.stop()
                     raise
@@ -153,6 +152,9 @@ class TritonServer:
             except BaseException:
                 self.stop()
                 raise
+            finally:
+                if key_file is not None:       # deleted by the server at its start; not if it failed first
+                    key_file.unlink(missing_ok=True)
         return self
 
     def _say(self, msg: str) -> None:

@@ -1,10 +1,17 @@
-"""Issue 19 through Triton directly: duplicate ids, tenant-scoped aborts, bounded inputs."""
+"""Issue 19 through Triton directly: duplicate ids, tenant-scoped aborts, bounded inputs; issue 30:
+the admin key off the command line."""
 from __future__ import annotations
 
+import json
+import pathlib
+import urllib.error
+import urllib.request
 import uuid
 
 import pytest
 
+from backend.serving.argv_secret import MARK
+from backend.serving.tritonserver import ADMIN_HEADER
 from tests.e2e.helpers import Result, Stream, generate, make_inputs
 
 pytestmark = pytest.mark.e2e
@@ -68,3 +75,27 @@ def test_oversized_and_out_of_range_inputs_are_tagged_quickly(triton_server, mod
     # instead of refusing it answers without the tag, one that hangs times out
     res = generate(triton_server, model, **inputs, **params, timeout=60)
     assert res.error is not None and f"[invalid_request param={param}]" in res.error, res.error
+
+
+def test_the_admin_key_is_not_on_tritonservers_command_line(triton_server):
+    """Issue 30: /proc/<pid>/cmdline is readable by every local user; the repository API's admin
+    key reaches tritonserver through a file its preloaded loader read and deleted at start."""
+    key = triton_server._admin_key
+    cmdline = pathlib.Path(f"/proc/{triton_server.proc.pid}/cmdline").read_bytes().decode().split("\0")
+    restricted = [a for a in cmdline if a.startswith(("--http-restricted-api=", "--grpc-restricted-protocol="))]
+    assert len(restricted) == 2 and all(MARK in a for a in restricted), restricted
+    assert key not in "\0".join(cmdline)
+    assert not any(pathlib.Path(a.split(MARK, 1)[1]).exists() for a in restricted)    # read and deleted
+
+    def index(headers: dict) -> int:
+        req = urllib.request.Request(f"http://{triton_server.http_url}/v2/repository/index", method="POST",
+                                     data=b"{}", headers={"Content-Type": "application/json", **headers})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                assert {m["name"] for m in json.loads(r.read())} >= {"llm", "engine"}
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    assert index({ADMIN_HEADER: key}) == 200                       # the key the server got is the real one
+    assert index({}) in (401, 403) and index({ADMIN_HEADER: "@" + key[1:]}) in (401, 403)
