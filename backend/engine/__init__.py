@@ -2,7 +2,6 @@
 
 Errors it raises or reports are backend.errors.EngineError (one type, with a kind)."""
 from backend.engine.admission import EngineLimits
-from backend.engine.llm_engine import LLMEngine
-from backend.engine.stats import EngineStats
+from backend.engine.llm_engine import EngineStats, LLMEngine
 
 __all__ = ["EngineLimits", "EngineStats", "LLMEngine"]

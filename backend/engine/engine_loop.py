@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Callable
 from backend.engine.admission import check_queue, duplicate_id, validate_request
 from backend.engine.embedding import validate_embed
 from backend.engine.roles import StepEngine
-from backend.engine.stats import EngineStats
 from backend.errors import EngineError, internal, queue_full, unavailable
 from backend.outputs import STOP, StepDelta
 from backend.pooling_params import PoolingParams
@@ -36,6 +35,7 @@ from common import env
 
 if TYPE_CHECKING:
     from backend.engine.fairness import TenantFairness
+    from backend.engine.llm_engine import EngineStats
 
 log = logging.getLogger(__name__)
 Sink = Callable[[StepDelta], object] | queue.Queue[StepDelta]

@@ -4,11 +4,14 @@ same steps and finish at the end of their prompt with a pooled vector (embedding
 
 Single-threaded by design: EngineLoop (engine_loop.py) owns it on one thread; the offline LLM
 drives it directly. Admission rules live in admission.py (pure, any thread), what happens after
-the model ran in Scheduler.update_from_output, counters in stats.py, deltas in stop_checker.py.
+the model ran in Scheduler.update_from_output, deltas in stop_checker.py. The engine's counters
+(:class:`StatsRecorder`, engine thread only) are published as :class:`EngineStats` snapshots, safe
+to hand to other threads (EngineLoop publishes one after every step) for metrics and tests.
 """
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -18,13 +21,13 @@ from backend.context import context_window
 from backend.engine.admission import EngineLimits, check_queue, duplicate_id, validate_request
 from backend.engine.embedding import absorb, embedding_delta, validate_embed
 from backend.engine.sampler import Sampler
-from backend.engine.schedule_output import SampledLogprobs, SampledTokens, SchedulerOutput, build_batch
+from backend.engine.schedule_output import SampledLogprobs, SampledTokens, SchedulerOutput, StepOutcome, build_batch
 from backend.engine.scheduler import Scheduler
 from backend.engine.sequence import Request, Sequence
-from backend.engine.stats import EngineStats, StatsRecorder
 from backend.engine.stop_checker import StopChecker, make_deltas
 from backend.errors import EngineError, ErrorKind, deadline_exceeded, invalid_request, unavailable
 from backend.kv_cache.block_pool import extra_key
+from backend.kv_cache.manager import KVCacheManager, KVCacheStats
 from backend.lora.adapter import LoRAAdapter, LoRAError
 from backend.lora.registry import UnknownAdapter
 from backend.model.pooling import PoolingConfig
@@ -35,6 +38,86 @@ from backend.structured.compiler import Grammars
 from backend.spec.config import SpeculativeConfig
 from backend.spec.speculator import make_speculator
 from backend.spec.verify import verify
+
+
+@dataclass
+class EngineStats:
+    # gauges
+    num_running: int = 0              # sequences holding KV blocks
+    num_waiting: int = 0              # sequences queued (new or preempted)
+    num_requests: int = 0             # open requests
+    kv_usage: float = 0.0             # fraction of device KV blocks in use
+    kv: KVCacheStats = field(default_factory=KVCacheStats)
+    # counters (monotonic)
+    num_steps: int = 0
+    prompt_tokens: int = 0            # prompt tokens of admitted requests (cached ones included)
+    cached_prompt_tokens: int = 0     # of those, served from the prefix cache at first schedule
+    generation_tokens: int = 0        # sampled tokens
+    computed_tokens: int = 0          # tokens run through the model, recomputation included
+    recomputed_tokens: int = 0        # recomputed after a preemption (computed - useful)
+    num_preemptions: int = 0
+    num_aborted: int = 0              # abort_request calls that found an open request
+    num_deadline_exceeded: int = 0
+    num_rejected: int = 0             # queue_full at admission
+    finished: dict[str, int] = field(default_factory=dict)   # choices by finish reason
+    # speculative decoding (backend/spec); spec_method "" = off
+    spec_method: str = ""
+    spec_drafted_tokens: int = 0      # draft tokens verified
+    spec_accepted_tokens: int = 0     # of those, accepted
+    spec_num_drafts: int = 0          # (sequence, step) pairs that verified drafts
+
+    @property
+    def useful_tokens(self) -> int:
+        return self.computed_tokens - self.recomputed_tokens
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_accepted_tokens / self.spec_drafted_tokens if self.spec_drafted_tokens else 0.0
+
+
+class StatsRecorder:
+    """The engine's monotonic counters (engine thread only)."""
+
+    def __init__(self) -> None:
+        self.counters = EngineStats()
+
+    def record_schedule(self, out: SchedulerOutput) -> None:
+        c = self.counters
+        c.num_steps += 1
+        c.spec_num_drafts += sum(1 for s in out.sampling if s.spec_token_ids)
+        for req in out.new_requests:
+            c.prompt_tokens += len(req.prompt_token_ids)
+            c.cached_prompt_tokens += req.num_cached_tokens
+
+    def record_step(self, outcome: StepOutcome) -> None:
+        c = self.counters
+        c.computed_tokens += outcome.computed_tokens
+        c.recomputed_tokens += outcome.recomputed_tokens
+        c.generation_tokens += outcome.generated_tokens
+        c.spec_drafted_tokens += outcome.drafted_tokens
+        c.spec_accepted_tokens += outcome.accepted_tokens
+        self.record_finished(outcome.finished)
+
+    def record_rejected(self) -> None:
+        self.counters.num_rejected += 1
+
+    def record_aborted(self) -> None:
+        self.counters.num_aborted += 1
+
+    def record_deadline_exceeded(self) -> None:
+        self.counters.num_deadline_exceeded += 1
+
+    def record_finished(self, seqs: list[Sequence]) -> None:
+        finished = self.counters.finished
+        for seq in seqs:
+            reason = seq.finish_reason or "abort"
+            finished[reason] = finished.get(reason, 0) + 1
+
+    def snapshot(self, scheduler: Scheduler, kv: KVCacheManager) -> EngineStats:
+        kv_stats = kv.stats()
+        return replace(self.counters, num_running=len(scheduler.running), num_waiting=scheduler.num_waiting,
+                       num_requests=len(scheduler.requests), kv_usage=kv_stats.usage, kv=kv_stats,
+                       num_preemptions=scheduler.num_preemptions, finished=dict(self.counters.finished))
 
 
 class LLMEngine:
@@ -54,7 +137,6 @@ class LLMEngine:
             tokenizer = PreTrainedTokenizerFast.from_pretrained(str(model_dir))
         self.tokenizer = tokenizer
         if kv_cache is None:
-            from backend.kv_cache.manager import KVCacheManager
             kv_cache = KVCacheManager(
                 storage=runner.storage, num_blocks=runner.num_blocks, block_size=args.block_size,
                 enable_prefix_caching=args.enable_prefix_caching, host_tier_blocks=args.host_tier_blocks,

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 if TYPE_CHECKING:
     from backend.engine.admission import EngineLimits
     from backend.engine.scheduler import Scheduler
-    from backend.engine.stats import EngineStats
+    from backend.engine.llm_engine import EngineStats
     from backend.errors import EngineError
     from backend.kv_cache.manager import KVCacheManager
     from backend.model.pooling import PoolingConfig

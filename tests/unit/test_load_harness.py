@@ -203,7 +203,7 @@ nv_inference_count{model="llm",version="1"} 3
     assert d["generation_tokens"] == 100 and d["computed_tokens"] == 400 and d["useful_tokens"] == 380
     assert d["kv_usage"] == 0.25 and d["prefix_hit_rate"] == 0.25 and d["prefill_computed_tokens"] == 300
 
-    from backend.engine.stats import EngineStats
+    from backend.engine.llm_engine import EngineStats
 
     from backend.kv_cache.manager import KVCacheStats
 
