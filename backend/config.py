@@ -86,7 +86,7 @@ class ServingConfig:
 
 @dataclass
 class TenancyConfig:
-    """Per-tenant limits, priority aging, cache salts (backend/engine/fairness.py, docs/serving.md)."""
+    """Per-tenant limits, priority aging, cache salts (backend/engine/admission.py, docs/serving.md)."""
     max_running_per_tenant: int = 0               # sequences one tenant may run at once (0 = no limit)
     max_waiting_per_tenant: int = 0               # requests one tenant may queue (0 = no limit): queue_full past it
     priority_aging_s: float = 5.0                 # a waiting request gains one priority level per this many s (0 = off)

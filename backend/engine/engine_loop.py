@@ -34,7 +34,7 @@ from backend.sampling_params import SamplingParams
 from common import env
 
 if TYPE_CHECKING:
-    from backend.engine.fairness import TenantFairness
+    from backend.engine.admission import TenantFairness
     from backend.engine.llm_engine import EngineStats
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ class EngineLoop:
     def __init__(self, engine: StepEngine, *, name: str = "engine-loop", fairness: TenantFairness | None = None,
                  max_open_per_tenant: int = 0) -> None:
         self.engine = engine
-        # Tenant fairness (fairness.py): the scheduler's hook, and the per-tenant bound on open requests checked at submit
+        # Tenant fairness (admission.py): the scheduler's hook, and the per-tenant bound on open requests checked at submit
         self.fairness = fairness
         if fairness is not None:
             engine.scheduler.fairness = fairness

@@ -35,7 +35,7 @@ from backend.errors import EngineError
 from backend.outputs import TokenLogprob
 
 if TYPE_CHECKING:
-    from backend.engine.fairness import TenantFairness
+    from backend.engine.admission import TenantFairness
     from backend.engine.stop_checker import StopChecker
     from backend.kv_cache.manager import KVCacheManager
 
@@ -53,7 +53,7 @@ class Scheduler:
         self._waiting: list[Sequence] = []          # heap; finished entries are dropped lazily
         self.num_waiting = 0
         self.num_preemptions = 0
-        self.fairness: TenantFairness | None = None  # tenant caps + aging (engine/fairness.py)
+        self.fairness: TenantFairness | None = None  # tenant caps + aging (engine/admission.py)
 
     # -- requests --------------------------------------------------------------------------
     def add_request(self, req: Request, *, computed: bool = False) -> None:

@@ -230,7 +230,7 @@ def build_engine_service(model_dir: str, params: dict[str, str], *, metrics_fact
     """Engine + loop + metrics + service from the engine model's config parameters."""
     from backend.config import EngineArgs, option_names
     from backend.engine.engine_loop import EngineLoop
-    from backend.engine.fairness import TenantFairness
+    from backend.engine.admission import TenantFairness
     from backend.engine.llm_engine import LLMEngine
     from backend.serving.metrics import ServingMetrics
     from backend.serving.postprocess import Postprocessor

@@ -210,9 +210,9 @@ def test_idle_audit_stops_a_loop_whose_allocator_broke():
         loop.shutdown(drain=False)
 
 
-# -- tenant fairness (backend/engine/fairness.py), issue 19 -------------------------------------
+# -- tenant fairness (backend/engine/admission.py), issue 19 -------------------------------------
 def _fair_loop(max_running=2, max_waiting=0, aging_s=0.0, **kw):
-    from backend.engine.fairness import TenantFairness
+    from backend.engine.admission import TenantFairness
 
     engine = LLMEngine(model_dir("tiny"), EngineConfig(num_threads=1, num_kv_blocks=128, max_num_seqs=4, **kw))
     fair = TenantFairness(max_running_per_tenant=max_running, aging_s=aging_s)
