@@ -129,13 +129,13 @@ class TritonLLMClient:
         if (prompt is None) == (messages is None):
             raise ValueError("give exactly one of prompt and messages")
         name, value = (P.TEXT_INPUT, prompt) if prompt is not None else (P.MESSAGES, json.dumps(messages))
-        inp = _input(P.MODELS[P.ENSEMBLE].input(name), np.array([value.encode("utf-8")], dtype=object))
+        inp = _input(P.ENSEMBLE, name, np.array([value.encode("utf-8")], dtype=object))
         return self._stream(self.ensemble, [inp], request_id, params, stream)
 
     def generate_ids(self, input_ids: list[int], *, request_id: str | None = None,
                      params: dict | None = None, stream: bool = True) -> AsyncIterator[Chunk]:
         """Token ids in, token ids out: the ``engine`` model called directly."""
-        inp = _input(P.MODELS[P.ENGINE].input(P.INPUT_IDS), np.asarray(input_ids, dtype=np.int32))
+        inp = _input(P.ENGINE, P.INPUT_IDS, np.asarray(input_ids, dtype=np.int32))
         from tritonclient.grpc import InferRequestedOutput
 
         # the token outputs only: the engine then skips detokenizing (text_output, text_logprobs)
@@ -148,7 +148,7 @@ class TritonLLMClient:
         ``preprocessing`` model first. Returns (vector, prompt tokens); errors as ``generate``'s."""
         params = {**(params or {}), P.EMBED: True}
         if text is not None:
-            inp = _input(P.MODELS[P.PREPROCESSING].input(P.TEXT_INPUT), np.array([text.encode("utf-8")], dtype=object))
+            inp = _input(P.PREPROCESSING, P.TEXT_INPUT, np.array([text.encode("utf-8")], dtype=object))
             try:
                 result = await self._client().infer(self.preprocessing, [inp], parameters=to_parameters(params))
             except Exception as exc:            # tritonclient's InferenceServerException: a tagged message
@@ -156,7 +156,7 @@ class TritonLLMClient:
             input_ids = result.as_numpy(P.INPUT_IDS).reshape(-1).tolist()
         from tritonclient.grpc import InferRequestedOutput
 
-        inp = _input(P.MODELS[P.ENGINE].input(P.INPUT_IDS), np.asarray(input_ids, dtype=np.int32))
+        inp = _input(P.ENGINE, P.INPUT_IDS, np.asarray(input_ids, dtype=np.int32))
         outputs = [InferRequestedOutput(n) for n in (P.EMBEDDING, P.PROMPT_TOKENS, P.FINISH_REASON, P.INDEX)]
         vector, tokens = None, 0
         async for chunk in self._stream(self.engine, [inp], request_id, params, False, outputs):

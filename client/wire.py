@@ -151,9 +151,16 @@ def _floats(result, name: str) -> list[float] | None:
     return None if arr is None else arr.reshape(-1).tolist()
 
 
-def _input(spec: P.TensorSpec, array: np.ndarray):
+# (model, input) -> tritonclient's datatype of that input, read from backend/protocol.py's specs
+# once at import: a request calls nothing there.
+INPUT_DTYPES: dict[tuple[str, str], str] = {
+    (model, t.name): t.client_dtype for model, io in P.MODELS.items() for t in io.inputs}
+
+
+def _input(model: str, name: str, array: np.ndarray):
+    """``model``'s input ``name`` holding ``array``."""
     from tritonclient.grpc import InferInput
 
-    inp = InferInput(spec.name, list(array.shape), spec.client_dtype)
+    inp = InferInput(name, list(array.shape), INPUT_DTYPES[model, name])
     inp.set_data_from_numpy(array)
     return inp
