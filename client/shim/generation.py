@@ -32,9 +32,8 @@ from backend import protocol as P
 from client.errors import InternalError, TritonLLMError, UnavailableError
 from client.shim.errors import from_llm_error, model_not_found
 from client.shim.format import Tally
-from client.shim.limits import check_prompt_chars
+from client.shim.limits import BoundedSSE, check_prompt_chars
 from client.shim.settings import context_window_of
-from client.shim.streaming import BoundedSSE
 from client.shim.tenants import KeyPolicy, Slot, effective_priority
 from client.wire import Chunk
 
