@@ -23,7 +23,7 @@ from collections import OrderedDict
 from typing import Any, Callable, Iterable
 
 from backend import protocol as P
-from backend.serving.latency import ABORT_TO_FREE, LatencyRecorder
+from backend.serving.metrics import ABORT_TO_FREE, LatencyRecorder
 from backend.serving.messages import ControlAnswered, RequestHandle
 from backend.serving.postprocess import control_outputs
 

@@ -11,8 +11,8 @@
 ``execute()`` never blocks on the engine or on a send: it only enqueues. Its side is here
 (:class:`Intake`); the other pieces, one job each: ``messages.py`` (the typed messages),
 ``response_thread.py`` (sends and FINAL), ``hold_policy.py`` (fewer sends), ``cancel_watch.py``
-(cancels, explicit aborts and aborts that overtake their request), ``latency.py`` (per-request
-timings), ``metrics.py`` (the metrics thread).
+(cancels, explicit aborts and aborts that overtake their request), ``metrics.py`` (per-request
+timings on the response thread, one batch per step to the metrics thread).
 
 Intake turns one request copied out of execute() into messages for the response thread. It runs
 on Triton's execute thread and never blocks on the engine or on a send: it reads the request

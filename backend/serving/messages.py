@@ -53,7 +53,7 @@ class RequestHandle:
     cancelled: bool = False                 # the client went away: no more data, bare FINAL
     done: bool = False                      # FINAL sent
     last_check: float = 0.0                 # last is_cancelled() round trip
-    first_token: float | None = None        # latency bookkeeping (backend/serving/latency.py)
+    first_token: float | None = None        # latency bookkeeping (metrics.py LatencyRecorder)
     last_token: dict[int, float] = field(default_factory=dict)
     queue_time_seen: bool = False
     want: frozenset[str] | None = None      # output names to build (None: all; postprocess.py)

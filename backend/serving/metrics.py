@@ -1,12 +1,14 @@
-"""Prometheus metrics of the engine model, exported on Triton's metrics port.
+"""Prometheus metrics of the engine model, exported on Triton's metrics port: the response
+thread's recorder (``LatencyRecorder``) and the metrics thread (``ServingMetrics``).
 
 Each custom-metric update is a blocking IPC round trip from the Python-backend stub to the server,
-so nothing on the hot path touches a metric: the response thread puts one batch of typed events per
-step on a queue (``record``), and this module's thread applies them (counter events of a batch
-summed into one increment per label), and polls the engine loop's stats snapshot every
-``poll_interval`` seconds for the token counters (only changed values are written: they change
-every step, and were written after every batch, one IPC each per step), so those are at most that
-stale; the gauges (running, waiting, KV usage) are polled after every batch too.
+so nothing on the hot path touches a metric: the recorder collects one response-thread step's typed
+events (per-request timings, finishes, rejections) and puts them on a queue as one batch
+(``record``); this module's thread applies them (counter events of a batch summed into one
+increment per label), and polls the engine loop's stats snapshot every ``poll_interval`` seconds
+for the token counters (only changed values are written: they change every step), so those are at
+most that stale; the gauges (running, waiting, KV usage) are polled after every batch too. Time to
+first token and inter-token latency describe streams only; queue time is observed once per request.
 
 The metric objects come from a ``factory`` (the model.py adapter wraps ``pb_utils.MetricFamily``;
 tests pass a fake) with ``counter(name, doc, labels)``, ``gauge(...)`` and
@@ -22,10 +24,14 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
+from backend.outputs import STOP, StepDelta
 from backend.serving.errors import WIRE_KINDS
-from backend.serving.messages import STOP
+from backend.serving.lora_metrics import AdapterMetrics, AdapterUse
+
+if TYPE_CHECKING:
+    from backend.serving.messages import RequestHandle
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +45,7 @@ HISTOGRAMS: dict[str, tuple[str, list[float]]] = {
     "llm_queue_time_seconds": ("Arrival to first schedule", _LONG),
     "llm_abort_to_free_seconds": ("Cancel or abort seen to the request's KV blocks freed", _LAT),
 }
+TTFT, ITL, E2E, QUEUE, ABORT_TO_FREE = HISTOGRAMS       # their names, in that order
 GAUGES: dict[str, str] = {
     "llm_num_requests_running": "Sequences holding KV blocks",
     "llm_num_requests_waiting": "Sequences waiting to be scheduled (new or preempted)",
@@ -49,8 +56,7 @@ GAUGES: dict[str, str] = {
 STAT_COUNTERS: dict[str, tuple[str, Callable[[Any], float]]] = {
     "llm_prompt_tokens_total": ("Prompt tokens of admitted requests", lambda s: s.prompt_tokens),
     "llm_generation_tokens_total": ("Generated tokens", lambda s: s.generation_tokens),
-    "llm_prefix_cache_queries_total": ("Prompt tokens looked up in the prefix cache",
-                                       lambda s: s.kv.prefix_queried_tokens),
+    "llm_prefix_cache_queries_total": ("Prompt tokens looked up in the prefix cache", lambda s: s.kv.prefix_queried_tokens),
     "llm_prefix_cache_hits_total": ("Prompt tokens found in the prefix cache", lambda s: s.kv.prefix_hit_tokens),
     "llm_num_preemptions_total": ("Sequences preempted under KV pressure", lambda s: s.num_preemptions),
     "llm_requests_aborted_total": ("Requests aborted (client cancel, abort request, deadline, shutdown)",
@@ -59,10 +65,8 @@ STAT_COUNTERS: dict[str, tuple[str, Callable[[Any], float]]] = {
     "llm_kv_offload_out_bytes_total": ("KV bytes written to the offload tiers", lambda s: s.kv.offload_out_bytes),
     "llm_kv_offload_in_bytes_total": ("KV bytes read back from the offload tiers", lambda s: s.kv.offload_in_bytes),
     # speculative decoding (docs/speculative.md): acceptance rate = accepted / draft
-    "llm_spec_decode_num_draft_tokens_total": ("Draft tokens verified (speculative decoding)",
-                                               lambda s: s.spec_drafted_tokens),
-    "llm_spec_decode_num_accepted_tokens_total": ("Draft tokens accepted (speculative decoding)",
-                                                  lambda s: s.spec_accepted_tokens),
+    "llm_spec_decode_num_draft_tokens_total": ("Draft tokens verified (speculative decoding)", lambda s: s.spec_drafted_tokens),
+    "llm_spec_decode_num_accepted_tokens_total": ("Draft tokens accepted (speculative decoding)", lambda s: s.spec_accepted_tokens),
 }
 FINISHED = "llm_requests_finished_total"
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -89,15 +93,57 @@ class Rejected:
     kind: str
 
 
-@dataclass(frozen=True, slots=True)
-class AdapterUse:
-    """A request on LoRA adapter ``lora`` was admitted (``requests``) or sent ``tokens`` generated tokens."""
-    lora: str
-    requests: int = 0
-    tokens: int = 0
-
-
 MetricEvent = Observe | Finished | Rejected | AdapterUse
+
+
+class LatencyRecorder:
+    """Response thread only (``metrics`` is a ServingMetrics, or None: timings still computed)."""
+
+    def __init__(self, metrics: Any = None) -> None:
+        self.metrics = metrics
+        self.pending: list[MetricEvent] = []
+
+    def _add(self, event: MetricEvent) -> None:
+        if self.metrics is not None:
+            self.pending.append(event)
+
+    def delta(self, h: RequestHandle, d: StepDelta, now: float) -> float | None:
+        """Record a delta about to be sent; returns the request's time to first token so far."""
+        if d.new_token_ids and h.stream:
+            if h.first_token is None:
+                h.first_token = now
+                self._add(Observe(TTFT, now - h.arrival))
+            prev = h.last_token.get(d.index)
+            if prev is not None:            # per token: a merged delta carries several
+                self._add(Observe(ITL, (now - prev) / len(d.new_token_ids)))
+            h.last_token[d.index] = now
+        first = not h.queue_time_seen and bool(d.new_token_ids or d.completion_tokens)
+        if first:
+            h.queue_time_seen = True
+            self._add(Observe(QUEUE, d.queue_time))
+        if h.lora is not None and (first or d.new_token_ids):
+            # per adapter: a request once, at its first scheduled step's delta, and the tokens sent
+            self._add(AdapterUse(h.lora, requests=int(first), tokens=len(d.new_token_ids)))
+        return None if h.first_token is None else h.first_token - h.arrival
+
+    def completed(self, h: RequestHandle, now: float) -> None:
+        """The request's last choice ended normally (stop or length) and its FINAL went out."""
+        self._add(Observe(E2E, now - h.arrival))
+
+    def finished(self, reason: str) -> None:
+        self._add(Finished(reason))
+
+    def rejected(self, kind: str) -> None:
+        self._add(Rejected(kind))
+
+    def abort_freed(self, seconds: float) -> None:
+        self._add(Observe(ABORT_TO_FREE, seconds))
+
+    def flush(self) -> None:
+        """Hand this step's events to the metrics thread in one queue put."""
+        if self.pending:
+            events, self.pending = self.pending, []
+            self.metrics.record(events)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,13 +152,11 @@ class Flush:
     done: threading.Event
 
 
-# Histograms observed once per streamed response: one pb_utils ``observe`` each would be a blocking
-# IPC round trip per response, made with the GIL held (python_backend's Metric calls do not release
-# it; H4's decode-server trace: ~7 % of the decode core). These are kept here as bucket counts and
+# Histograms observed once per streamed response: a pb_utils ``observe`` each would be a blocking IPC
+# round trip per response with the GIL held (~7 % of a decode core). Kept here as bucket counts and
 # written at the stats poll under Prometheus's histogram series names (``<name>_bucket{le=...}``,
-# ``<name>_sum``, ``<name>_count``): the series PromQL's ``histogram_quantile`` and the load
-# harness read, for a few writes per poll.
-COUNTED_HISTOGRAMS = frozenset({"llm_inter_token_latency_seconds"})
+# ``_sum``, ``_count``), which ``histogram_quantile`` and the load harness read.
+COUNTED_HISTOGRAMS = frozenset({ITL})
 
 
 class CountedHistogram:
@@ -152,7 +196,6 @@ class ServingMetrics:
                  adapters: Callable[[], dict[str, tuple[int, int]]] | None = None) -> None:
         """``adapters``: the LoRA registry's per-adapter (loads, evictions) (LoRARegistry.counts), or None."""
         labels = dict(labels or {})
-        self._labels = labels
         self._factory = factory             # keeps pb_utils MetricFamily objects alive
         self._hist = {n: CountedHistogram(factory, n, doc, labels, buckets) if n in COUNTED_HISTOGRAMS
                       else factory.histogram(n, doc, labels, buckets) for n, (doc, buckets) in HISTOGRAMS.items()}
@@ -164,9 +207,8 @@ class ServingMetrics:
         self._rejected = {k: factory.counter(REJECTED, "Requests rejected at admission by error tag",
                                              {**labels, "reason": k}) for k in REJECT_KINDS}
         self._stats_fn = stats
-        self._adapters_fn = adapters
-        self._lora: dict[str, dict[str, Any]] = {}          # adapter -> its series, made at first use
-        self._last_lora: dict[str, tuple[int, int]] = {}
+        self._adapters = AdapterMetrics(factory, labels, adapters or dict)   # LoRA (lora_metrics.py)
+        self._poll_adapters = adapters is not None
         self._healthy_fn = healthy
         self._last_counts = {n: 0.0 for n in STAT_COUNTERS}
         self._last_gauges: dict[str, float] = {}
@@ -195,9 +237,8 @@ class ServingMetrics:
 
     # -- metrics thread --------------------------------------------------------------------
     def _run(self) -> None:
-        # The stats are polled every ``poll_interval`` (and at Flush / STOP), never per batch: the
-        # token counters change every engine step, so polling after each batch wrote them (one
-        # IPC round trip each, plus tritonserver's side of it) once per step and stream.
+        # The stats are polled every ``poll_interval`` (and at Flush / STOP), never per batch: the token
+        # counters change every step, so that wrote them (an IPC round trip each) per step and stream.
         next_poll = time.monotonic() + self._poll_interval
         while True:
             try:
@@ -238,46 +279,13 @@ class ServingMetrics:
                 adapter_tokens[e.lora] += e.tokens
             else:
                 rejected[e.kind if e.kind in self._rejected else "internal"] += 1
-        for name in adapter_requests:
-            series = self._adapter_series(name)
-            for key, n in (("requests", adapter_requests[name]), ("tokens", adapter_tokens[name])):
-                if n:
-                    series[key].increment(n)
+        if adapter_requests:
+            self._adapters.used(adapter_requests, adapter_tokens)
         for reason, n in finished.items():  # one increment (one IPC round trip) per label and batch
             if reason in self._finished:
                 self._finished[reason].increment(n)
         for kind, n in rejected.items():
             self._rejected[kind].increment(n)
-
-    def _adapter_series(self, name: str) -> dict[str, Any]:
-        """The adapter's counters, labelled ``lora=<name>``; made when it is first used (adapters
-        are loaded at run time; the names are bounded by what the admins load)."""
-        series = self._lora.get(name)
-        if series is None:
-            lab = {**self._labels, "lora": name}
-            f = self._factory
-            series = self._lora[name] = {
-                "requests": f.counter("llm_lora_requests_total", "Requests on a LoRA adapter (counted at their first scheduled step)", lab),
-                "tokens": f.counter("llm_lora_generation_tokens_total",
-                                    "Generated tokens sent for requests on a LoRA adapter", lab),
-                "loads": f.counter("llm_lora_loads_total",
-                                   "LoRA adapter reads into the resident pool (at start, load route, after eviction)",
-                                   lab),
-                "evictions": f.counter("llm_lora_evictions_total",
-                                       "LoRA adapters evicted from the resident pool (max_loras)", lab)}
-        return series
-
-    def _poll_adapters(self) -> None:
-        for name, (loads, evictions) in self._adapters_fn().items():
-            last_loads, last_evictions = self._last_lora.get(name, (0, 0))
-            if (loads, evictions) == (last_loads, last_evictions):
-                continue
-            series = self._adapter_series(name)
-            if loads > last_loads:
-                series["loads"].increment(loads - last_loads)
-            if evictions > last_evictions:
-                series["evictions"].increment(evictions - last_evictions)
-            self._last_lora[name] = (loads, evictions)
 
     def _safe_poll(self, full: bool = True) -> None:
         try:
@@ -302,8 +310,8 @@ class ServingMetrics:
             return
         for h in self._counted:
             h.flush()
-        if self._adapters_fn is not None:
-            self._poll_adapters()
+        if self._poll_adapters:
+            self._adapters.poll()
         for name, (_, read) in STAT_COUNTERS.items():
             value = float(read(s))
             diff = value - self._last_counts[name]

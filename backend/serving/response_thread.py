@@ -32,7 +32,7 @@ from backend.serving.errors import wire_kind
 from backend.serving.cancel_watch import CANCEL_CHECK_INTERVAL, ENSEMBLE_CANCEL_CHECK, AbortTombstones, CancelWatch
 from backend.serving.hold_policy import (BUSY_HOLD_MAX, BUSY_HOLD_STEPS, BUSY_STREAMS, DUE_SLACK, HoldPolicy, Pace,
                                          coalesce, merge_deltas)
-from backend.serving.latency import LatencyRecorder
+from backend.serving.metrics import LatencyRecorder
 from backend.serving.messages import (STOP, ControlAnswered, DeltaArrived, Held, Message, Opened,
                                       Rejected, RequestHandle)
 from backend.serving.postprocess import engine_outputs, wants_text

@@ -15,8 +15,7 @@ from backend.errors import ErrorKind, deadline_exceeded, internal, invalid_reque
 from backend.outputs import StepDelta
 from backend.serving.engine_service import EngineService, Incoming
 from backend.serving.errors import to_wire
-from backend.serving.latency import E2E, ITL, QUEUE, TTFT
-from backend.serving.metrics import Finished, Observe, Rejected
+from backend.serving.metrics import E2E, ITL, QUEUE, TTFT, Finished, Observe, Rejected
 
 CHECK = 0.02                        # cancel_check_interval
 SWEEP = 0.1                         # sweep_interval
