@@ -16,7 +16,10 @@
  * Speed: head dims 32, 48, 64, 96, 128 take GCC/clang vector-extension code with a head's query and
  * output accumulator held in 8-float registers (ND = D / 8 a compile-time constant, one instance
  * per ND), walking the context block by block for all heads at once with the next block prefetched
- * (DEFINE_ROW_VEC); any other D takes the plain loops, head by head.
+ * (DEFINE_ROW_VEC); any other D takes the plain loops, head by head. Where the build targets
+ * AVX-512F, head dims 32, 64, 96, 128 take paged_avx512.h's 16-lane rows instead: each K / V vector
+ * loaded and widened in registers once per KV head for every query head of its GQA group
+ * (paged_set_wide(0): these 8-lane rows, for A/B and tests).
  */
 #include <math.h>
 #include <stdint.h>
@@ -162,6 +165,13 @@ static inline void prefetch_block(const void *cache, const int32_t *table, int64
     for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o);
 }
 
+#if defined(__AVX512F__)
+#include "paged_avx512.h"
+#endif
+/* 0: the 8-lane rows even where the 16-lane ones exist (A/B, tests); the 16-lane ones by default. */
+static int wide_rows = 1;
+void paged_set_wide(int on) { wide_rows = on; }
+
 /* One query row, every head, D = 8 * ND: scores into s[qh * n + t], output into o[qh * D ..].
  * Block-major: every head of a block is done before the next block, whose rows are prefetched
  * meanwhile, so each block is read from memory once as one contiguous run (a head-major walk read
@@ -241,6 +251,12 @@ static void NAME(const float *qg, const KT *kc, const KT *vc, const int32_t *tab
     }                                                                                              \
 }
 
+#if defined(__AVX512F__)
+#define ROWS16(SFX, d, ...) ROW16(SFX, d, __VA_ARGS__)
+#else
+#define ROWS16(SFX, d, ...) 0
+#endif
+
 #define DEFINE_ATTEND(NAME, KT, SFX, LOAD)                                                         \
 DEFINE_ROW_VEC(row4_##SFX, KT, widen_##SFX, 4)                                                     \
 DEFINE_ROW_VEC(row6_##SFX, KT, widen_##SFX, 6)                                                     \
@@ -260,6 +276,8 @@ int NAME(const float *q, const KT *kc, const KT *vc, const int32_t *tables, int6
         const int32_t *table = tables + (int64_t)seq[r] * table_stride;                           \
         const float *qr = q + rows[r] * hq * d;                                                    \
         float *orow = out + rows[r] * hq * d;                                                      \
+        if (wide_rows && ROWS16(SFX, d, qr, kc, vc, table, ctx[r], bs, hq, hkv, scale, s, orow))  \
+            continue;                                                                              \
         switch (d) {                                                                               \
         case 32: row4_##SFX(qr, kc, vc, table, ctx[r], bs, hq, hkv, scale, s, orow, wk); continue;     \
         case 48: row6_##SFX(qr, kc, vc, table, ctx[r], bs, hq, hkv, scale, s, orow, wk); continue;     \
