@@ -2,7 +2,7 @@
 workload with the fused C step in its modes, alternating in one process.
 
     .venv/bin/python -m bench.profile_steps MODEL_DIR [--streams 16] [--requests 64] [--rounds 2]
-        [--modes torch,decode,varlen] [--threads N]
+        [--modes torch,decode,varlen] [--threads N] [--dtype D]
 
 Workload: load/peers.py's shape in token ids -- prompts uniform in 16..256 tokens (corpus windows),
 outputs exponential with mean 64 capped at 256, greedy, ignore_eos; a closed loop of ``--streams``
@@ -104,6 +104,7 @@ def main() -> None:
     ap.add_argument("--modes", default="torch,decode,varlen")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default=None, help="the engine's dtype (float32, bfloat16, ...; default: its own)")
     ap.add_argument("--json", default=None, help="write every run here")
     ap.add_argument("--prime", action="store_true",
                     help="run the requests once untimed first and let every run share that prefix cache "
@@ -112,6 +113,8 @@ def main() -> None:
     opts = {"kv_cache_memory": 1 << 30, "max_num_seqs": 64}
     if a.threads:
         opts["num_threads"] = a.threads
+    if a.dtype:
+        opts["dtype"] = a.dtype
     llm = LLM(a.model_dir, **opts)
     runner = llm.engine.runner
     fused = runner.fused
