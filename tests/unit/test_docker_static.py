@@ -133,6 +133,22 @@ def test_dockerfile_parses_and_copies_existing_files(name):
     assert words.count("FROM") == 1 and "HEALTHCHECK" in words
 
 
+@pytest.mark.parametrize("name", ["Dockerfile", "Dockerfile.cpu"])
+def test_every_package_of_the_project_is_copied(name):
+    """`pip install -e .` and the `triton-llm` script need every package pyproject.toml lists (both
+    images once lacked common/ and triton_llm/, so `triton-llm --help` failed in the build)."""
+    import tomllib
+
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = {pat.rstrip("*") for pat in include}
+    instrs = parse_dockerfile((DOCKER / name).read_text())
+    copied = {shlex.split(a)[0].rstrip("/") for _, w, a in instrs if w == "COPY" and not a.startswith("--")}
+    assert packages <= copied, f"{name} does not copy {sorted(packages - copied)}"
+    ignore = [ln.strip() for ln in (DOCKER / f"{name}.dockerignore").read_text().splitlines()
+              if ln.strip() and not ln.startswith("#")]
+    assert all(dockerignore_allows(ignore, f"{pkg}/__init__.py") for pkg in packages)
+
+
 def test_gpu_image_is_ngc_tritonserver_with_cuda_torch():
     instrs = parse_dockerfile((DOCKER / "Dockerfile").read_text())
     args = dict(a.split("=", 1) for _, w, a in instrs if w == "ARG" and "=" in a)
