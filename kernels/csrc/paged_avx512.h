@@ -1,5 +1,6 @@
 /* AVX-512 rows of paged_cpu.c's attention (included by it where the compiler targets AVX-512F):
- * head dims that are a multiple of 16 (32, 64, 96, 128), every cache dtype.
+ * head dims that are a multiple of 16 (32, 64, 96, 128), fp16 / bf16 caches (fp32 ones keep the
+ * 8-lane rows: nothing to widen, no gain measured).
  *
  * Why: the 8-lane rows (DEFINE_ROW_VEC) widen a half cache's block into an fp32 scratch first and
  * then read it once per query head; on a Zen 4 core the widening pass and its stores took about a
@@ -12,7 +13,6 @@
  * from the 8-lane rows (16 partial sums folded to 8, then hsum4's tree). Block-major as there: every
  * head of a block before the next block, whose rows are prefetched meanwhile. */
 
-static inline __m512 ld16_f32(const float *p) { return _mm512_loadu_ps(p); }
 static inline __m512 ld16_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
@@ -129,7 +129,6 @@ static void wrow_##SFX##_##NZ(const float *qrow, const KT *kc, const KT *vc, con
 
 #define DEFINE_ROWS16(SFX, KT) DEFINE_KV16(SFX, KT, 2) DEFINE_KV16(SFX, KT, 4) DEFINE_KV16(SFX, KT, 6) \
                                DEFINE_KV16(SFX, KT, 8)
-DEFINE_ROWS16(f32, float)
 DEFINE_ROWS16(bf16, uint16_t)
 DEFINE_ROWS16(f16, uint16_t)
 

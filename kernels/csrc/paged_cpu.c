@@ -17,9 +17,9 @@
  * output accumulator held in 8-float registers (ND = D / 8 a compile-time constant, one instance
  * per ND), walking the context block by block for all heads at once with the next block prefetched
  * (DEFINE_ROW_VEC); any other D takes the plain loops, head by head. Where the build targets
- * AVX-512F, head dims 32, 64, 96, 128 take paged_avx512.h's 16-lane rows instead: each K / V vector
- * loaded and widened in registers once per KV head for every query head of its GQA group
- * (paged_set_wide(0): these 8-lane rows, for A/B and tests).
+ * AVX-512F, half caches with head dims 32, 64, 96, 128 take paged_avx512.h's 16-lane rows instead:
+ * each K / V vector loaded and widened in registers once per KV head for every query head of its
+ * GQA group (paged_set_wide(0): these 8-lane rows, for A/B and tests).
  */
 #include <math.h>
 #include <stdint.h>
@@ -257,7 +257,9 @@ static void NAME(const float *qg, const KT *kc, const KT *vc, const int32_t *tab
 #define ROWS16(SFX, d, ...) 0
 #endif
 
-#define DEFINE_ATTEND(NAME, KT, SFX, LOAD)                                                         \
+#define NO_ROWS16(SFX, d, ...) 0
+
+#define DEFINE_ATTEND(NAME, KT, SFX, LOAD, WIDE)                                                   \
 DEFINE_ROW_VEC(row4_##SFX, KT, widen_##SFX, 4)                                                     \
 DEFINE_ROW_VEC(row6_##SFX, KT, widen_##SFX, 6)                                                     \
 DEFINE_ROW_VEC(row8_##SFX, KT, widen_##SFX, 8)                                                     \
@@ -276,7 +278,7 @@ int NAME(const float *q, const KT *kc, const KT *vc, const int32_t *tables, int6
         const int32_t *table = tables + (int64_t)seq[r] * table_stride;                           \
         const float *qr = q + rows[r] * hq * d;                                                    \
         float *orow = out + rows[r] * hq * d;                                                      \
-        if (wide_rows && ROWS16(SFX, d, qr, kc, vc, table, ctx[r], bs, hq, hkv, scale, s, orow))  \
+        if (wide_rows && WIDE(SFX, d, qr, kc, vc, table, ctx[r], bs, hq, hkv, scale, s, orow))  \
             continue;                                                                              \
         switch (d) {                                                                               \
         case 32: row4_##SFX(qr, kc, vc, table, ctx[r], bs, hq, hkv, scale, s, orow, wk); continue;     \
@@ -296,6 +298,8 @@ int NAME(const float *q, const KT *kc, const KT *vc, const int32_t *tables, int6
     return 0;                                                                                      \
 }
 
-DEFINE_ATTEND(attend_f32, float, f32, LOAD_F32)
-DEFINE_ATTEND(attend_bf16, uint16_t, bf16, LOAD_BF16)
-DEFINE_ATTEND(attend_f16, uint16_t, f16, LOAD_F16)
+/* fp32 caches keep the 8-lane rows (no widening to save: even on Zen 4; fp32 stays the oracle's
+ * summation order); half caches take the 16-lane rows where built. */
+DEFINE_ATTEND(attend_f32, float, f32, LOAD_F32, NO_ROWS16)
+DEFINE_ATTEND(attend_bf16, uint16_t, bf16, LOAD_BF16, ROWS16)
+DEFINE_ATTEND(attend_f16, uint16_t, f16, LOAD_F16, ROWS16)

@@ -1,6 +1,7 @@
-"""The C decode attention's 16-lane GQA-group rows (kernels/csrc/paged_avx512.h, AVX-512 builds) and
-its 8-lane rows both equal kernels.reference, for every cache dtype, head dims with and without a
-16-lane kernel, and GQA groups of 1, 3 (SmolLM2), 4 and 5 heads (split across register groups)."""
+"""The C decode attention's 16-lane GQA-group rows (kernels/csrc/paged_avx512.h, AVX-512 builds, half
+caches; fp32 caches keep the 8-lane rows either way) and its 8-lane rows both equal kernels.reference,
+for every cache dtype, head dims with and without a 16-lane kernel, and GQA groups of 1, 3
+(SmolLM2), 4 and 5 heads (split across register groups)."""
 from __future__ import annotations
 
 import pytest
