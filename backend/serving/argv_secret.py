@@ -42,8 +42,11 @@ def hide(args: list[str], secret: str, folder: pathlib.Path,
     secret off the command line; and the secret's file (None: the library is missing, nothing
     changed). The file is gone once the process has started; remove it if the start failed."""
     lib = preload_library()
-    if lib is None:
-        log.warning("the argv secret loader did not build: tritonserver's admin key is on its command line")
+    if lib is None or any(c.isspace() or c == ":" for c in str(lib)):
+        # LD_PRELOAD splits at spaces and colons: such a path would not load, and the server would
+        # take the file reference itself for the secret
+        log.warning("the argv secret loader is unavailable (%s): tritonserver's admin key is on its command line",
+                    "no build" if lib is None else f"unusable path {lib}")
         return args, env, None
     path = write_secret(folder, secret)
     hidden = [a.replace(secret, MARK + str(path)) for a in args]

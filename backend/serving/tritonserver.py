@@ -37,14 +37,11 @@ class ServerStartError(RuntimeError):
     """tritonserver exited or did not become ready; the message ends with its log's tail."""
 
 
-# OpenMP threads that wait for work sleep at once instead of spinning (libgomp spins ~0.1-0.3 ms
-# after every parallel region): in the server a spinning worker takes the core that tritonserver,
-# the shim and the response thread need between steps, so they preempted the engine thread
-# (~5-10 ms of run-queue wait per 32-stream step). The engine thread at nice -19
-# (backend/engine/engine_loop.py; applied where the process may raise a thread's priority): the
-# plumbing's bursts then preempt the step's pool worker instead, whose chunks the engine thread
-# takes over (0.13-0.23 ms of run-queue wait per token on bench-15m before). A value in the
-# caller's environment wins.
+# OpenMP workers sleep at once instead of spinning (~0.1-0.3 ms after every parallel region), which
+# took the core tritonserver, the shim and the response thread need between steps (~5-10 ms of
+# run-queue wait per 32-stream step). The engine thread at nice -19 (engine_loop.py; where the
+# process may raise a thread's priority): the plumbing's bursts preempt the step's pool worker
+# instead, whose chunks the engine thread takes over. The caller's environment wins.
 STUB_ENV_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "TRITON_LLM_ENGINE_NICE": "-19"}
 
 
@@ -140,6 +137,8 @@ class TritonServer:
             self.proc = spawn(cmd, self.log_path, cwd=self.workdir, env=env)
             try:
                 self._wait_ready()
+                if key_file is not None and key_file.exists():     # the loader deletes it before main()
+                    raise ServerStartError("tritonserver did not preload the admin-key loader (LD_PRELOAD refused?)")
                 return self
             except ServerStartError as exc:
                 # 2.51 may abort starting a stub on a loaded host (lock_exception): transient, retry once

@@ -72,3 +72,21 @@ def test_a_killed_server_restarts_on_its_ports_keeping_its_log_not_its_shared_me
     finally:
         server.stop()
     assert not list(shm.glob(prefix + "*"))     # nor are the restarted one's after stop()
+
+
+def test_a_server_that_did_not_preload_the_admin_key_loader_is_stopped(tmp_path, monkeypatch):
+    """Fail closed (issue 30): without the loader tritonserver would take the secret file's
+    reference, readable on its command line, for its admin key."""
+    from backend.serving import tritonserver
+
+    real = tritonserver.hide
+
+    def preload_refused(args, secret, folder, env):
+        hidden, env, path = real(args, secret, folder, env)
+        return hidden, {k: v for k, v in env.items() if k != "LD_PRELOAD"}, path
+
+    monkeypatch.setattr(tritonserver, "hide", preload_refused)
+    server = TritonServer(model_dir("tiny"), models=["preprocessing"], quiet=True, workdir=tmp_path)
+    with pytest.raises(ServerStartError, match="did not preload the admin-key loader"):
+        server.start()
+    assert server.proc is None and not list(tmp_path.glob(".secret-*"))    # stopped; the file gone

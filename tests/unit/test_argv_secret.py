@@ -61,3 +61,11 @@ def test_processes_without_the_marker_are_untouched(tmp_path):
     out = _run(["--a", MARK.rstrip(":")], env)                  # e.g. the server's Python stubs
     assert out.returncode == 0 and eval(out.stdout.splitlines()[0]) == ["--a", MARK.rstrip(":")]
     assert path is not None and path.exists()                     # only a process given it reads it
+
+
+def test_a_loader_path_ld_preload_would_split_leaves_the_arguments_as_they_are(tmp_path, monkeypatch):
+    from backend.serving import argv_secret
+
+    monkeypatch.setattr(argv_secret, "preload_library", lambda: tmp_path / "with space" / "argv_secret.so")
+    args = [f"--key={SECRET}"]
+    assert hide(args, SECRET, tmp_path, {}) == (args, {}, None)      # never a reference the server would keep
