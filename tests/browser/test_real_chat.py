@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from playwright.sync_api import Page, expect
 
-from tests.browser.test_chat_page import DONE, send, set_reply_options
+from tests.browser.test_chat_page import DONE, REPLY_MS, send, set_reply_options
 from tests.conftest import REAL_CONTEXT_WINDOW
 
 pytestmark = [pytest.mark.browser, pytest.mark.e2e]
@@ -41,8 +41,8 @@ def test_the_chat_page_answers_in_english(real_chat_stack, chat_page, output_dir
     # The reply streams into the page before it is stored.
     page.wait_for_function("""() => { const e = document.querySelector(
         '[data-testid=msg-streaming] [data-testid=content]'); return e && e.textContent.length > 0; }""",
-                           timeout=60_000)
-    page.wait_for_function(DONE, arg=1, timeout=120_000)
+                           timeout=REPLY_MS)
+    page.wait_for_function(DONE, arg=1, timeout=REPLY_MS)
     answer = page.get_by_test_id("msg-assistant").last.get_by_test_id("content").inner_text()
     assert "Paris" in answer, answer
     expect(page.get_by_test_id("error")).to_be_hidden()

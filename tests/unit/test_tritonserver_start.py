@@ -3,11 +3,13 @@ interprocess lock_exception on a loaded host), and only then; no real server her
 fixtures start real ones)."""
 from __future__ import annotations
 
+import pathlib
 import types
 
 import pytest
 
 from backend.serving import tritonserver as ts
+from backend.serving.argv_secret import MARK
 
 
 class FakeProc:
@@ -23,7 +25,14 @@ def server(monkeypatch, tmp_path):
     monkeypatch.setattr(ts, "backend_directory", lambda install, workdir: tmp_path / "backends")
     monkeypatch.setattr(ts, "generate_repository", lambda path, *a, **k: path)
     monkeypatch.setattr(ts, "server_env", lambda install: {})
-    monkeypatch.setattr(ts, "spawn", lambda cmd, log, **k: spawned.append(cmd) or FakeProc())
+
+    def spawn(cmd, log, **kwargs):
+        for arg in cmd:           # what the preloaded loader does before main(): read, then delete
+            if MARK in arg:
+                pathlib.Path(arg.split(MARK, 1)[1]).unlink(missing_ok=True)
+        spawned.append(cmd)
+        return FakeProc()
+    monkeypatch.setattr(ts, "spawn", spawn)
     monkeypatch.setattr(ts, "terminate_group", lambda proc, timeout: killed.append(proc))
     s = ts.TritonServer(tmp_path / "model", workdir=tmp_path / "w", quiet=True)
     return s, spawned, killed
