@@ -20,7 +20,7 @@ from bench.profile_steps import make_requests, run
 from kernels import cpu
 
 
-def set_switch(on: int) -> None:
+def set_wide(on: int) -> None:
     for lib in (cpu.library(), cpu.decode_library()):
         if lib is not None:
             lib.paged_set_wide(on)
@@ -49,7 +49,7 @@ def step_ab(model_dir: str, dtype: str, batch: int, context: int, steps: int, th
     res: dict[str, list[tuple[float, float]]] = {f"{k} {s}": [] for k in ("decode", "prefill") for s in ("old", "new")}
     for step in range(2 * steps + 2):
         side = ("old", "new")[step % 2]
-        set_switch(side == "new")
+        set_wide(side == "new")
         b = build_batch([SeqChunk([tok], context + step, t) for tok, t in zip(last, tables)], bs)
         t0, c0 = time.perf_counter(), time.process_time()
         last = runner.execute(b).argmax(-1).tolist()
@@ -58,7 +58,7 @@ def step_ab(model_dir: str, dtype: str, batch: int, context: int, steps: int, th
         t0, c0 = time.perf_counter(), time.process_time()
         runner.execute(b)
         res[f"prefill {side}"].append((time.perf_counter() - t0, time.process_time() - c0))
-    set_switch(True)
+    set_wide(True)
     for k, v in res.items():
         v = v[1:]                                                               # the first is a warm-up
         print(f"{dtype} {k}: best {1e3 * min(w for w, _ in v):.2f} ms wall, {1e3 * min(c for _, c in v):.2f} ms CPU "
@@ -96,7 +96,7 @@ def main() -> None:
         outs: dict[str, dict] = {}
         for r in range(a.rounds):
             for side in ("old", "new") if r % 2 == 0 else ("new", "old"):
-                set_switch(side == "new")
+                set_wide(side == "new")
                 res = run(llm, reqs, streams, f"{side}{streams}-{r}")
                 outs[side] = res.pop("outputs")
                 tokens = sum(len(v) for v in outs[side].values())
@@ -108,7 +108,7 @@ def main() -> None:
         print(f"== {a.dtype} {streams} streams best: old {o['tok_s']:.1f} tok/s ({o['tok_cpu']:.1f}/CPU s), "
               f"new {n['tok_s']:.1f} tok/s ({n['tok_cpu']:.1f}/CPU s): x{n['tok_s'] / o['tok_s']:.3f} wall, "
               f"x{n['tok_cpu'] / o['tok_cpu']:.3f} CPU; same tokens: {outs['old'] == outs['new']}", flush=True)
-    set_switch(1)
+    set_wide(1)
 
 
 if __name__ == "__main__":
