@@ -33,7 +33,7 @@ def step_ab(model_dir: str, dtype: str, batch: int, context: int, steps: int, th
     import time
 
     from backend.config import EngineConfig
-    from backend.model.batch_builder import SeqChunk, build_batch
+    from backend.model.runner import SeqChunk, build_batch
     from backend.model.runner import ModelRunner
 
     bs, per_seq = 16, -(-(context + 2 * steps + 3) // 16)

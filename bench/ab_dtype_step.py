@@ -24,7 +24,7 @@ import random
 import time
 
 from backend.config import EngineConfig
-from backend.model.batch_builder import SeqChunk, build_batch
+from backend.model.runner import SeqChunk, build_batch
 from backend.model.runner import ModelRunner
 from load.stack import resolve_model
 

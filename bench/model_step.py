@@ -19,7 +19,7 @@ import time
 import torch
 
 from backend.config import EngineConfig
-from backend.model.batch_builder import SeqChunk, build_batch
+from backend.model.runner import SeqChunk, build_batch
 from backend.model.runner import ModelRunner
 
 

@@ -62,7 +62,7 @@ def _runner(model: str, spec: str):
 
 @torch.inference_mode()
 def perplexity(runner, ids: list[int]) -> float:
-    from backend.model.batch_builder import SeqChunk, build_batch
+    from backend.model.runner import SeqChunk, build_batch
 
     nll, count = 0.0, 0
     table = list(range(runner.num_blocks))
@@ -222,7 +222,7 @@ def step(a) -> list[dict]:
     import random
 
     from backend.config import EngineConfig
-    from backend.model.batch_builder import SeqChunk, build_batch
+    from backend.model.runner import SeqChunk, build_batch
     from backend.model.runner import ModelRunner
     from backend.quant import cpu
 

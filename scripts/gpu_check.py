@@ -179,7 +179,7 @@ def _runner_bench(deadline: float, model_dir: str) -> None:
     """Decode steps straight on the ModelRunner (no scheduler), for when backend.LLM is missing."""
     import torch
     from backend.config import EngineConfig
-    from backend.model.batch_builder import SeqChunk, build_batch
+    from backend.model.runner import SeqChunk, build_batch
     from backend.model.runner import ModelRunner
     context, steps, bs, max_batch = 32, 16, 16, 256
     per_seq = -(-(context + steps + 1) // bs)

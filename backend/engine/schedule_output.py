@@ -17,7 +17,7 @@ prefix of the drafts, which verification compares against)::
     input_ids     [ t_last d0 d1 d2 ]    logits rows  4 (all of them)
 
 An embedding request's chunk has no logits row; its rows go in ``hidden_indices`` instead.
-The index arithmetic (positions, slots, padded block tables) is backend/model/batch_builder.py's.
+The index arithmetic (positions, slots, padded block tables) is backend/model/runner.py's ``build_batch``.
 """
 from __future__ import annotations
 
@@ -30,9 +30,8 @@ import torch
 from backend.engine.embedding import hidden_rows
 from backend.engine.sequence import Request, Sequence
 from backend.lora.batch import LoRABatch
-from backend.model.batch_builder import SeqChunk
-from backend.model.batch_builder import build_batch as build_chunks
-from backend.model.runner import BatchInput
+from backend.model.runner import BatchInput, SeqChunk
+from backend.model.runner import build_batch as build_chunks
 from backend.outputs import TokenLogprob
 
 if TYPE_CHECKING:

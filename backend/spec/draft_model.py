@@ -128,7 +128,7 @@ class DraftModelProposer(Proposer):
         return drafts
 
     def _run(self, items: list[tuple[Sequence, _State, list[int]]]) -> torch.Tensor:
-        from backend.model.batch_builder import SeqChunk, build_batch
+        from backend.model.runner import SeqChunk, build_batch
 
         chunks = [SeqChunk(toks, st.cached, self.kv.block_table(seq.seq_id)) for seq, st, toks in items]
         return self.runner.execute(build_batch(chunks, self.kv.block_size, self.device))

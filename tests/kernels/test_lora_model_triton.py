@@ -14,7 +14,7 @@ import torch
 
 from backend.config import EngineConfig, LoRAConfig
 from backend.lora.batch import LoRABatch
-from backend.model.batch_builder import SeqChunk, build_batch
+from backend.model.runner import SeqChunk, build_batch
 from backend.model.runner import ModelRunner
 from tests.unit.lora_helpers import make_adapters
 

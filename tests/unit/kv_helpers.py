@@ -1,6 +1,6 @@
 """Read-only views of a KVCacheManager for the KV tests (production asks none of these).
 
-``slots`` is the same arithmetic the model's batch builder (backend/model/batch_builder.py) does
+``slots`` is the same arithmetic the model's batch builder (backend/model/runner.py) does
 for the flattened batch; ``cached_tokens`` is what ``acquire_prefix`` would attach, read without
 its side effects (no LRU touch, no swap-in, no stats).
 """

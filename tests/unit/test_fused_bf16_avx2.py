@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from backend.config import EngineConfig
-from backend.model.batch_builder import SeqChunk, build_batch
+from backend.model.runner import SeqChunk, build_batch
 from backend.model.fused_decode import FusedDecoder
 from backend.model.runner import ModelRunner
 from kernels import cpu

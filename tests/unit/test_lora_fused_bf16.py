@@ -11,7 +11,7 @@ import torch
 
 from backend import LLM
 from backend.lora.fused import rows_done
-from backend.model.batch_builder import SeqChunk, build_batch
+from backend.model.runner import SeqChunk, build_batch
 from tests.unit import test_lora_fused_step as fs
 
 BF16_RTOL = 3e-2

@@ -13,7 +13,7 @@ from backend import LLM, SamplingParams
 from backend.config import EngineConfig, LoRAConfig
 from backend.lora.batch import LoRABatch
 from backend.lora.fused import rows_done
-from backend.model.batch_builder import SeqChunk, build_batch
+from backend.model.runner import SeqChunk, build_batch
 from backend.model.runner import ModelRunner
 from kernels.cpu import decode_library
 from tests.unit.lora_helpers import ADAPTERS, make_adapters

@@ -10,7 +10,7 @@ import torch
 
 from backend.config import EngineConfig
 from backend.kv_cache.storage import KVCacheStorage
-from backend.model.batch_builder import SeqChunk, build_batch
+from backend.model.runner import SeqChunk, build_batch
 from backend.model.config import parse_model_config
 from backend.model.runner import ModelRunner
 from tests.conftest import model_dir

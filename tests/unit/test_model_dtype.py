@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend.model.batch_builder import SeqChunk, build_batch
+from backend.model.runner import SeqChunk, build_batch
 from backend.model.loader import auto_dtype, cpu_flags, parse_dtype
 from tests.conftest import model_dir
 from tests.unit.test_model_parity import BLOCK, Blocks, make_runner, prompts

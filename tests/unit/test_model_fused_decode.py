@@ -14,7 +14,7 @@ import torch
 
 from backend.config import EngineConfig
 from backend.model import fused_decode
-from backend.model.batch_builder import SeqChunk, build_batch
+from backend.model.runner import SeqChunk, build_batch
 from backend.model.runner import ModelRunner
 from kernels.cpu import decode_library
 from tests.conftest import model_dir

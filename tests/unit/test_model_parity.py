@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from backend.config import EngineConfig
-from backend.model.batch_builder import SeqChunk, build_batch
+from backend.model.runner import SeqChunk, build_batch
 from backend.model.runner import ModelRunner
 from tests.conftest import model_dir
 

@@ -17,7 +17,7 @@ import pytest
 
 from backend.config import EngineConfig
 from backend.model.attention import TritonAttention
-from backend.model.batch_builder import SeqChunk, build_batch
+from backend.model.runner import SeqChunk, build_batch
 from backend.model.runner import ModelRunner
 from tests.conftest import ROOT, model_dir
 

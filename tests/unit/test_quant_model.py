@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from backend.config import EngineArgs, EngineConfig
-from backend.model.batch_builder import SeqChunk, build_batch
+from backend.model.runner import SeqChunk, build_batch
 from backend.model.gguf_import import import_gguf
 from backend.model.runner import ModelRunner
 from backend.quant.plan import planned_summary
