@@ -6,7 +6,7 @@ import itertools
 from typing import Any, Callable, Sequence
 
 from backend.config import EngineArgs
-from backend.detokenizer import decode_delta
+from backend.outputs import decode_delta
 from backend.engine.admission import validate_request
 from backend.engine.embedding import validate_embed
 from backend.engine.llm_engine import LLMEngine

@@ -29,7 +29,7 @@ class Chunk:
     cached_tokens: int = 0
     logprobs: list[dict] | None = None         # ensemble: OpenAI chat shape; engine: {"id","logprob","top"}
     metrics: dict | None = None                # final response: queue_time, ttft, num_preemptions
-    window_ids: list[int] | None = None        # engine only (backend/detokenizer.py)
+    window_ids: list[int] | None = None        # engine only (backend/outputs.py decode_delta)
     num_sent: int | None = None
     max_chars: int | None = None
     embedding: list[float] | None = None       # engine, an embedding request's final response

@@ -41,7 +41,7 @@ from backend.disagg.connector import KVConnector, KVGeometry, TransferError
 from backend.disagg.handover import Handover
 from backend.disagg.placer import KVPlacer, Job
 from backend.engine.admission import duplicate_id, validate_request
-from backend.engine.stop_checker import make_deltas
+from backend.outputs import make_deltas
 from backend.engine.sequence import Request
 from backend.errors import EngineError, internal
 from backend.outputs import StepDelta

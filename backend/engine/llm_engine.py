@@ -4,7 +4,7 @@ same steps and finish at the end of their prompt with a pooled vector (embedding
 
 Single-threaded by design: EngineLoop (engine_loop.py) owns it on one thread; the offline LLM
 drives it directly. Admission rules live in admission.py (pure, any thread), what happens after
-the model ran in Scheduler.update_from_output, deltas in stop_checker.py. The engine's counters
+the model ran in Scheduler.update_from_output, deltas in backend/outputs.py. The engine's counters
 (:class:`StatsRecorder`, engine thread only) are published as :class:`EngineStats` snapshots, safe
 to hand to other threads (EngineLoop publishes one after every step) for metrics and tests.
 """
@@ -24,7 +24,7 @@ from backend.engine.sampler import Sampler
 from backend.engine.schedule_output import SampledLogprobs, SampledTokens, SchedulerOutput, StepOutcome, build_batch
 from backend.engine.scheduler import Scheduler
 from backend.engine.sequence import Request, Sequence
-from backend.engine.stop_checker import StopChecker, make_deltas
+from backend.outputs import StopChecker, make_deltas
 from backend.errors import EngineError, ErrorKind, deadline_exceeded, invalid_request, unavailable
 from backend.kv_cache.block_pool import extra_key
 from backend.kv_cache.manager import KVCacheManager, KVCacheStats

@@ -36,7 +36,7 @@ from backend.outputs import TokenLogprob
 
 if TYPE_CHECKING:
     from backend.engine.admission import TenantFairness
-    from backend.engine.stop_checker import StopChecker
+    from backend.outputs import StopChecker
     from backend.kv_cache.manager import KVCacheManager
 
 

@@ -3,7 +3,7 @@ stateless ``postprocessing`` model, and the engine's response thread), and a ``S
 engine model's output tensors.
 
 Each engine response carries a short window of token ids and how many of them were already sent
-(backend/detokenizer.py), so any postprocessing instance can turn any response into its exact text
+(backend/outputs.py decode_delta), so any postprocessing instance can turn any response into its exact text
 delta without per-request state. The engine's response thread calls the same ``Postprocessor`` on each
 delta (``delta_text``), so the ``llm`` ensemble needs no postprocessing step per token and the text is
 the same byte for byte. Logprobs are converted from the engine's ids to OpenAI's chat
@@ -28,7 +28,7 @@ from typing import Collection
 import numpy as np
 
 from backend import protocol as P
-from backend.detokenizer import decode_delta
+from backend.outputs import decode_delta
 from backend.outputs import StepDelta
 from backend.serving.preprocess import load_tokenizer
 

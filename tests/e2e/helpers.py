@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from backend.detokenizer import decode_delta
+from backend.outputs import decode_delta
 from load.counters import labelled, scrape_text
 
 

@@ -6,7 +6,7 @@ import random
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from backend.detokenizer import decode_delta, window_start
+from backend.outputs import decode_delta, window_start
 from backend.tokenizer_train import TOKENIZER_DIR
 
 TEXTS = [

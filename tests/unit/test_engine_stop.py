@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from backend import LLM, SamplingParams
-from backend.detokenizer import CONTEXT_TOKENS, decode_delta
+from backend.outputs import CONTEXT_TOKENS, decode_delta
 from tests.conftest import model_dir
 
 GREEDY = dict(temperature=0, max_tokens=16)

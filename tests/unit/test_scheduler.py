@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from backend.engine.scheduler import Scheduler
 from backend.engine.sequence import Request, SeqStatus
-from backend.engine.stop_checker import StopChecker
+from backend.outputs import StopChecker
 from backend.kv_cache.manager import KVCacheManager
 from backend.sampling_params import SamplingParams
 from tests.unit.kv_helpers import free_blocks

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from backend import LLM, SamplingParams
-from backend.detokenizer import decode_delta
+from backend.outputs import decode_delta
 from backend.errors import deadline_exceeded
 from backend.outputs import StepDelta
 from backend.serving.hold_policy import coalesce, merge_deltas

@@ -11,7 +11,7 @@ from concurrent.futures import Future
 import pytest
 
 from backend import protocol as P
-from backend.detokenizer import decode_delta, window_start
+from backend.outputs import decode_delta, window_start
 from backend.errors import ErrorKind
 from backend.outputs import StepDelta, TokenLogprob
 from backend.serving.engine_service import EngineService, Incoming
