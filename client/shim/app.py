@@ -24,6 +24,7 @@ from client.shim.embeddings import router as embeddings_router
 from client.shim.errors import from_llm_error, install_handlers
 from client.shim.format import Tally
 from client.shim.generation import collect, merged
+from client.shim.generation import router as generation_router
 from client.shim.limits import BodyLimit
 from client.shim.lora_routes import router as lora_router
 from client.shim.response_store import ResponseStore
@@ -93,7 +94,8 @@ def create_app(settings: ShimSettings | None = None, *, client: LLMClient | None
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes,   # 413 before parsing
                        timeout=settings.body_timeout_s)
     app.add_middleware(KeyFirst, keys=keys)            # 401 before the body is read (outside BodyLimit)
-    app.include_router(router)
+    app.include_router(generation_router)             # /v1/chat/completions, /v1/completions
+    app.include_router(router)                        # /v1/models, /health, /ready
     app.include_router(embeddings_router)             # /v1/embeddings
     app.include_router(lora_router)                   # /v1/load_lora_adapter, /v1/unload_lora_adapter
     app.state.response_store = ResponseStore(settings.response_store_items, settings.response_store_bytes)

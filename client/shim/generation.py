@@ -1,5 +1,5 @@
-"""The one generation path every generating route shares (chat and completions in routes.py,
-Responses, Anthropic Messages): from a validated body to its answer.
+"""The OpenAI generating routes (/v1/chat/completions, /v1/completions) and the one generation path
+they share with Responses and Anthropic Messages: from a validated body to its answer.
 
     check_prompt ─► request_params (key's priority, tenant, adapter) ─► InFlight slot ─► gRPC
     stream(s) (client.generate) ─► merged ─► respond: a whole body (collect) or an SSE stream
@@ -23,9 +23,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import uuid
 from typing import AsyncIterator
 
-from fastapi import Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from backend import protocol as P
@@ -33,14 +34,56 @@ from client.errors import InternalError, TritonLLMError, UnavailableError
 from client.shim.errors import from_llm_error, model_not_found
 from client.shim.format import Tally
 from client.shim.limits import BoundedSSE, check_prompt_chars
+from client.shim.reasoning import parses_reasoning, with_reasoning
+from client.shim.schemas import ChatCompletionRequest, CompletionRequest
 from client.shim.settings import context_window_of
-from client.shim.tenants import KeyPolicy, Slot, effective_priority
+from client.shim.tenants import KeyPolicy, Slot, authenticated, effective_priority
+from client.shim.tools import ToolTally, parses_tool_calls
 from client.wire import Chunk
 
 log = logging.getLogger("triton_llm.shim")
 Item = tuple[int, int, Chunk]                    # (choice index, prompt index, chunk)
 QUEUE_ITEMS = 64                                 # chunks merged from several prompts, waiting
 CLIENT_CLOSED = 499                              # nginx's code; the client never sees it
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request,
+                           key: KeyPolicy = Depends(authenticated)):
+    state = request.app.state
+    lora = adapter_for(state, body.model)
+    await check_prompt(request, body.prompt_chars(), "messages")
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    params = request_params(request, body, key, lora)
+    slot = state.in_flight.acquire(key)
+    agens = [state.client.generate(messages=body.messages_json(), request_id=rid, params=params,
+                                   stream=body.stream)]
+    tally_type = ToolTally if body.tools and parses_tool_calls(body) else Tally     # tools: message.tool_calls
+    kw = {}
+    parser = state.settings.reasoning_parser
+    if parser and parses_reasoning(parser, body):       # <think>: reasoning_content
+        tally_type, kw["include_reasoning"] = with_reasoning(tally_type), body.include_reasoning
+    tally = tally_type(chat=True, request_id=rid, model=body.model, num_choices=body.n or 1,
+                       logprobs=bool(body.logprobs), include_usage=body.include_usage, **kw)
+    return await respond(request, agens, tally, body.n or 1, body.stream, body.param_names(), slot)
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request, key: KeyPolicy = Depends(authenticated)):
+    state = request.app.state
+    lora = adapter_for(state, body.model)
+    await check_prompt(request, body.prompt_chars(), "prompt")
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    params = request_params(request, body, key, lora)
+    slot = state.in_flight.acquire(key)
+    prompts = body.prompts()
+    n = body.n or 1
+    agens = [state.client.generate(prompt=p, request_id=rid if len(prompts) == 1 else f"{rid}-{i}",
+                                   params=params, stream=body.stream) for i, p in enumerate(prompts)]
+    tally = Tally(chat=False, request_id=rid, model=body.model, num_choices=n * len(prompts),
+                  logprobs=body.logprobs is not None, include_usage=body.include_usage)
+    return await respond(request, agens, tally, n, body.stream, body.param_names(), slot)
 
 
 class ClientDisconnected(Exception):

@@ -1,24 +1,18 @@
-"""HTTP routes: /v1/chat/completions, /v1/completions, /v1/models, /health, /ready.
-
-Each generating route builds its tally (the API's body and stream shape) and hands the request to
-the shared generation path (generation.py): one gRPC stream per prompt.
+"""HTTP routes that generate nothing: /v1/models, /health, /ready. The generating ones live with
+the path they share: /v1/chat/completions and /v1/completions in generation.py, Responses in
+responses.py, Anthropic Messages in anthropic.py, embeddings in embeddings.py.
 """
 from __future__ import annotations
 
 import logging
-import uuid
 
 from fastapi import APIRouter, Depends, Request
 
 from client.errors import TritonLLMError
 from client.shim.errors import not_ready
-from client.shim.format import Tally
-from client.shim.generation import adapter_for, check_prompt, known, request_params, respond
-from client.shim.reasoning import parses_reasoning, with_reasoning
-from client.shim.schemas import ChatCompletionRequest, CompletionRequest
+from client.shim.generation import adapter_for, known
 from client.shim.settings import context_window_of
 from client.shim.tenants import KeyPolicy, authenticated
-from client.shim.tools import ToolTally, parses_tool_calls
 
 log = logging.getLogger("triton_llm.shim")
 router = APIRouter()
@@ -26,44 +20,6 @@ router = APIRouter()
 
 def _state(request: Request):
     return request.app.state
-
-
-@router.post("/v1/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, request: Request,
-                           key: KeyPolicy = Depends(authenticated)):
-    lora = adapter_for(_state(request), body.model)
-    await check_prompt(request, body.prompt_chars(), "messages")
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
-    params = request_params(request, body, key, lora)
-    slot = _state(request).in_flight.acquire(key)
-    client = _state(request).client
-    agens = [client.generate(messages=body.messages_json(), request_id=rid, params=params,
-                             stream=body.stream)]
-    tally_type = ToolTally if body.tools and parses_tool_calls(body) else Tally     # tools: message.tool_calls
-    kw = {}
-    parser = _state(request).settings.reasoning_parser
-    if parser and parses_reasoning(parser, body):       # <think>: reasoning_content
-        tally_type, kw["include_reasoning"] = with_reasoning(tally_type), body.include_reasoning
-    tally = tally_type(chat=True, request_id=rid, model=body.model, num_choices=body.n or 1,
-                       logprobs=bool(body.logprobs), include_usage=body.include_usage, **kw)
-    return await respond(request, agens, tally, body.n or 1, body.stream, body.param_names(), slot)
-
-
-@router.post("/v1/completions")
-async def completions(body: CompletionRequest, request: Request, key: KeyPolicy = Depends(authenticated)):
-    lora = adapter_for(_state(request), body.model)
-    await check_prompt(request, body.prompt_chars(), "prompt")
-    rid = f"cmpl-{uuid.uuid4().hex}"
-    params = request_params(request, body, key, lora)
-    slot = _state(request).in_flight.acquire(key)
-    client = _state(request).client
-    prompts = body.prompts()
-    n = body.n or 1
-    agens = [client.generate(prompt=p, request_id=rid if len(prompts) == 1 else f"{rid}-{i}",
-                             params=params, stream=body.stream) for i, p in enumerate(prompts)]
-    tally = Tally(chat=False, request_id=rid, model=body.model, num_choices=n * len(prompts),
-                  logprobs=body.logprobs is not None, include_usage=body.include_usage)
-    return await respond(request, agens, tally, n, body.stream, body.param_names(), slot)
 
 
 @router.get("/v1/models")
