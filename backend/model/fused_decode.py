@@ -38,7 +38,7 @@ import pathlib
 
 import torch
 
-from backend.model import bf16_gemm
+from backend.model import bf16_gemm, loader
 from backend.lora.batch import LoRABatch
 from backend.lora.fused import CStep
 from backend.model.llama import Linear, LlamaForCausalLM
@@ -138,16 +138,17 @@ def _bf16(t: torch.Tensor | None) -> bool:
 def _pack_bf16(lib, qws, weights) -> list[torch.Tensor]:
     """Packed copies (kernels/csrc/bf16_packed.c) of the bf16 weights [N, K] of ``qws``, pointed to
     by their ``packed`` field; returned to be kept alive. They run the linears without horizontal
-    sums: VDPBF16PS ~3x faster from M = 4 rows than the row-major tiles, AVX2 ~1.5x
-    (docs/kernels.md). They double the memory of the bf16 weights: the embedding rows and the torch
-    path read the originals."""
-    keep = []
-    for qw, w in zip(qws, weights):
-        if qw is None or w is None or qw.kind != Q_BF16 or w.shape[1] % 2:
-            continue
-        n, k = w.shape
-        packed = torch.empty(lib.bf16_packed_elems(n, k), dtype=torch.int16)
-        lib.bf16_pack(w.data_ptr(), n, k, packed.data_ptr())
+    sums: VDPBF16PS ~3x faster from M = 4 rows than the row-major tiles, AVX2 ~1.5x (docs/kernels.md).
+    They double the bf16 weights' memory (the embedding rows and the torch path read the originals); a
+    decode reads these, from one huge-page arena as the loader's (4 KiB pages: ~4 % slower, bench/ab_bf16_decode.py)."""
+    todo = [(qw, w) for qw, w in zip(qws, weights) if qw is not None and w is not None and qw.kind == Q_BF16 and not w.shape[1] % 2]
+    sizes = [-(-lib.bf16_packed_elems(*w.shape) // 32) * 32 for _, w in todo]   # 64-byte aligned
+    arena = loader.weight_arena(2 * sum(sizes)).view(torch.int16) if todo and loader.huge_pages_enabled() else None
+    keep, off = [], 0
+    for (qw, w), size in zip(todo, sizes):
+        packed = torch.empty(size, dtype=torch.int16) if arena is None else arena[off:off + size]
+        off += size
+        lib.bf16_pack(w.data_ptr(), *w.shape, packed.data_ptr())
         qw.packed = packed.data_ptr()
         keep.append(packed)
     return keep

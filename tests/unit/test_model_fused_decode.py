@@ -300,6 +300,19 @@ def brunner(request) -> ModelRunner:
     return r
 
 
+def test_bf16_packed_copies_share_one_huge_page_arena(brunner):
+    """The packed bf16 copies a decode reads sit in one 2 MiB-aligned MADV_HUGEPAGE arena
+    (loader.weight_arena), each 64-byte aligned, as the loader's weights do."""
+    from backend.model import loader
+
+    if not loader.huge_pages_enabled():
+        pytest.skip("TRITON_LLM_HUGE_PAGES=0")
+    packed = brunner.fused._packed
+    assert packed and len({p.untyped_storage().data_ptr() for p in packed}) == 1
+    assert packed[0].data_ptr() % loader.HUGE_PAGE == 0
+    assert all(p.data_ptr() % 64 == 0 for p in packed)
+
+
 def _assert_bf16_close(fused: torch.Tensor, ref: torch.Tensor) -> None:
     scale = ref.abs().max().item()
     assert (fused - ref).abs().max().item() <= BF16_RTOL * scale
