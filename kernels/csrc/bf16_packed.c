@@ -14,8 +14,15 @@
 #include "decode_cpu.h"
 
 /* Prefetch distance along a block's stream, in K-pairs (64 bytes each): a few lines ahead of the
- * loads, so that a single decode row (M = 1, bound by the read rate) keeps J streams in flight. */
+ * loads, into L1 (the tiles of several input rows). */
 #define PF_AHEAD 4
+/* A single decode row (M = 1) is bound by one core's read rate: its J streams prefetch 16 lines
+ * (1 KiB) ahead, into L2 (PREFETCHT1), which keeps more misses in flight than the L1 prefetch a few
+ * lines ahead. SmolLM2 bf16 decode step on a 2-vCPU Zen 4 (bench/csrc/ab_bf16_bw.c, best of 150
+ * alternating): 10.99 -> 9.78 ms on one thread, 8.31 -> 7.98 ms on two (4 / 8 / 32 lines, T0 or
+ * NTA: no better or worse). */
+#define PF_GEMV 16
+#define PF_GEMV_LOC 2
 
 /* bf16 elements of W [N, K] packed: N rounded up to 16 columns (zero rows), K to an even count. */
 int64_t bf16_packed_elems(int64_t N, int64_t K) { return (N + 15) / 16 * 16 * ((K + 1) & ~(int64_t)1); }
@@ -37,9 +44,10 @@ void bf16_pack(const uint16_t *W, int64_t N, int64_t K, uint16_t *out) {
 
 /* y[t, 16 j + l] (+)= x[t] . W[16 j + l] + bias for J column blocks (the last one `last` columns
  * wide, <= 16) and T input rows. */
-#define DEFINE_PTILE(J, T)                                                                          \
-static void ptile_##J##_##T(const uint16_t *x, int64_t K, const uint16_t *wp, int64_t bstride,     \
-                            const float *bias, float *y, int64_t ldy, int acc, int last) {         \
+#define DEFINE_PTILE(J, T) DEFINE_PTILE_PF(ptile_##J##_##T, J, T, PF_AHEAD, 3)
+#define DEFINE_PTILE_PF(NAME, J, T, PF, LOC)                                                        \
+static void NAME(const uint16_t *x, int64_t K, const uint16_t *wp, int64_t bstride,                 \
+                 const float *bias, float *y, int64_t ldy, int acc, int last) {                    \
     __m512 a[J][T];                                                                                \
     for (int j = 0; j < J; j++) for (int t = 0; t < T; t++) a[j][t] = _mm512_setzero_ps();         \
     const int64_t K2 = K / 2;                                                                      \
@@ -47,7 +55,7 @@ static void ptile_##J##_##T(const uint16_t *x, int64_t K, const uint16_t *wp, in
         __m512i w[J];                                                                              \
         for (int j = 0; j < J; j++) {                                                              \
             const uint16_t *p = wp + j * bstride + kp * 32;                                        \
-            __builtin_prefetch(p + PF_AHEAD * 32);                                                 \
+            __builtin_prefetch(p + (PF) * 32, 0, LOC);                                             \
             w[j] = _mm512_loadu_si512(p);                                                          \
         }                                                                                          \
         for (int t = 0; t < T; t++) {                                                              \
@@ -77,6 +85,10 @@ typedef void (*ptile_fn)(const uint16_t *, int64_t, const uint16_t *, int64_t, c
                          int64_t, int, int);
 #define PROW(J) {ptile_##J##_1, ptile_##J##_2, ptile_##J##_3, ptile_##J##_4, ptile_##J##_5, ptile_##J##_6}
 static const ptile_fn PTILE[PJ][PT] = {PROW(1), PROW(2), PROW(3), PROW(4)};
+/* M = 1: the same J x 1 tiles (the same bits) with the decode row's prefetch (PF_GEMV). */
+DEFINE_PTILE_PF(pgemv_1, 1, 1, PF_GEMV, PF_GEMV_LOC) DEFINE_PTILE_PF(pgemv_2, 2, 1, PF_GEMV, PF_GEMV_LOC)
+DEFINE_PTILE_PF(pgemv_3, 3, 1, PF_GEMV, PF_GEMV_LOC) DEFINE_PTILE_PF(pgemv_4, 4, 1, PF_GEMV, PF_GEMV_LOC)
+static const ptile_fn PGEMV[PJ] = {pgemv_1, pgemv_2, pgemv_3, pgemv_4};
 
 /* Column blocks [b0, b1) of y [M, N] (+)= xb [M, K] W^T + bias, W packed (bf16_pack). */
 static void packed_blocks(const void *x, int64_t M, int64_t K, const uint16_t *Wp, const float *bias,
@@ -89,7 +101,7 @@ static void packed_blocks(const void *x, int64_t M, int64_t K, const uint16_t *W
         const int last = (int)(cols - 16 * (J - 1) < 16 ? cols - 16 * (J - 1) : 16);
         for (int64_t t0 = 0; t0 < M; t0 += PT) {
             const int T = (int)(M - t0 < PT ? M - t0 : PT);
-            PTILE[J - 1][T - 1](xb + t0 * K, K, Wp + b * bstride, bstride, bias ? bias + n : NULL,
+            (M == 1 ? PGEMV[J - 1] : PTILE[J - 1][T - 1])(xb + t0 * K, K, Wp + b * bstride, bstride, bias ? bias + n : NULL,
                                 y + t0 * N + n, N, acc, last);
         }
     }
