@@ -7,10 +7,9 @@ Starts a stack (tritonserver + shim, ``load.stack.Stack``) on the interpreter of
 ``bench.lab_venv`` with ``LLM_PATH_TRACE=<dir>``: in every process of it (the Triton stubs
 included) ``attach_from_env`` installs a profile function on every thread. Three requests warm the
 stack; while ``<dir>/on`` exists each process notes the file of every Python function called,
-then writes them to ``<dir>/<process>-<pid>.json``. C code (the fused step), the ensemble's
-config.pbtxt and modules that only hold data (dataclasses: ``backend/outputs.py``,
-``backend/serving/messages.py``) are not seen and are counted by hand in the doc. Background work
-in the same window is listed too (the metrics thread's poll), marked by its thread.
+then writes them to ``<dir>/<process>-<pid>.json``. C code (the fused step) and the ensemble's
+config.pbtxt are not seen and are counted by hand in the doc. Background work in the same window
+is listed too (the metrics thread's poll), marked by its thread.
 """
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable
 
 from backend import protocol as P
 from backend.serving.metrics import ABORT_TO_FREE, LatencyRecorder
-from backend.serving.messages import ControlAnswered, RequestHandle
+from backend.serving.intake import ControlAnswered, RequestHandle
 from backend.serving.postprocess import control_outputs
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from backend.outputs import StepDelta
-from backend.serving.messages import DeltaArrived, Message
+from backend.serving.intake import DeltaArrived, Message
 
 BUSY_STREAMS = 16               # open requests from which busy_stream_interval gathers tokens
 BUSY_SCALE_MAX = 2.0            # the busy hold grows with the open streams up to this factor

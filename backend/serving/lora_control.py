@@ -16,7 +16,7 @@ from typing import Any, Callable
 from backend.errors import EngineError, invalid_request, unavailable
 from backend.lora.adapter import LoRAError
 from backend.lora.registry import LoRARegistry, UnknownAdapter
-from backend.serving.messages import ControlAnswered, Rejected, RequestHandle
+from backend.serving.intake import ControlAnswered, Rejected, RequestHandle
 
 
 def registry_of(loop: Any) -> LoRARegistry | None:

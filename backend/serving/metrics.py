@@ -31,7 +31,7 @@ from backend.serving.errors import WIRE_KINDS
 from backend.serving.lora_metrics import AdapterMetrics, AdapterUse
 
 if TYPE_CHECKING:
-    from backend.serving.messages import RequestHandle
+    from backend.serving.intake import RequestHandle
 
 log = logging.getLogger(__name__)
 

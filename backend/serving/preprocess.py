@@ -5,7 +5,8 @@ exactly as ``AutoTokenizer.apply_chat_template(messages, add_generation_prompt=T
 server and offline code see the same ids. A bad prompt is rejected here with an ``invalid_request``
 EngineError naming it, before the engine sees the request; the prompt is checked against the
 engine's own context window (backend/context.py). The request's other parameters pass through
-unread: the engine's intake reads them once (request_params.py). Preprocessing reads only the
+unread: the engine's intake reads them once (intake.py); the readers both share are here
+(``parse_parameters``, ``read``, ``fit_prompt``). Preprocessing reads only the
 prompt's own: ``tools`` (shown to the model) and ``embed`` (an embedding fills the whole window).
 ``one_string`` / ``int_array`` read the prompt tensor and build the ``input_ids`` one.
 """
@@ -13,14 +14,15 @@ from __future__ import annotations
 
 import json
 import pathlib
+from typing import Any
 
 import numpy as np
 
 from backend import protocol as P
 from backend.context import context_window_for
 from backend.errors import invalid_request
-from backend.serving.request_params import fit_prompt, read
 from backend.structured.tool_prompt import KEPT_FIELDS, template_inputs, tools_from_params
+from common import param_codec as codec
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -73,6 +75,41 @@ def _content_text(content, i: int, role: str) -> str:
             parts.append(part["text"])
         return "".join(parts)
     raise invalid_request(P.MESSAGES, f"messages[{i}].content must be a string or a list of text parts")
+
+
+def parse_parameters(raw: str | dict | None) -> dict:
+    """``request.parameters()`` (a JSON string) -> dict."""
+    try:
+        return codec.parse_raw(raw)
+    except codec.ParamError as exc:
+        raise invalid_request(exc.param, str(exc)) from None
+
+
+def read(params: dict, name: str, default: Any = None) -> Any:
+    """One parameter by its type, ``default`` when absent (preprocessing's ``embed``,
+    postprocessing's ``skip_special_tokens``); EngineError if bad."""
+    if params.get(name) is None:
+        return default
+    try:
+        return codec.read(name, params[name])
+    except codec.ParamError as exc:
+        raise invalid_request(exc.param, str(exc)) from None
+
+
+def fit_prompt(prompt_len: int, context_window: int, param: str, embedding: bool = False) -> int:
+    """The room a prompt leaves to generate; rejects one that is empty or leaves none (an
+    embedding may fill the whole window). Preprocessing checks its prompt with this too."""
+    if prompt_len < 1:
+        raise invalid_request(param, "the prompt is empty")
+    if embedding:                           # the whole window, nothing generated
+        if prompt_len > context_window:
+            raise invalid_request(param, f"the input has {prompt_len} tokens but the context window is "
+                                         f"{context_window} tokens")
+        return 0
+    if prompt_len >= context_window:
+        raise invalid_request(param, f"the prompt has {prompt_len} tokens but the context window is "
+                                     f"{context_window} tokens (at least one must be left to generate)")
+    return context_window - prompt_len
 
 
 class Preprocessor:

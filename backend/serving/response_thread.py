@@ -33,7 +33,7 @@ from backend.serving.cancel_watch import CANCEL_CHECK_INTERVAL, ENSEMBLE_CANCEL_
 from backend.serving.hold_policy import (BUSY_HOLD_MAX, BUSY_HOLD_STEPS, BUSY_STREAMS, DUE_SLACK, HoldPolicy, Pace,
                                          coalesce, merge_deltas)
 from backend.serving.metrics import LatencyRecorder
-from backend.serving.messages import (STOP, ControlAnswered, DeltaArrived, Held, Message, Opened,
+from backend.serving.intake import (STOP, ControlAnswered, DeltaArrived, Held, Message, Opened,
                                       Rejected, RequestHandle)
 from backend.serving.postprocess import engine_outputs, wants_text
 

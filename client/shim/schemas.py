@@ -4,7 +4,7 @@ The shape is checked here (types; a wrong type is a 400 naming the field), and s
 that limit the shim's own work or that the gRPC wire cannot carry (client/shim/limits.py): ``n``,
 the prompt list, integers (int64 and each one's range: ``max_tokens: 2**63`` is a 400 here, not a
 500 from the gRPC library), finite floats, stop strings. Every other value range is checked on the
-server (backend/serving/request_params.py) and comes back as a tagged error.
+server (backend/serving/intake.py) and comes back as a tagged error.
 Server-side parameter names are backend/protocol.py's.
 """
 from __future__ import annotations

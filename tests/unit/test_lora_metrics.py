@@ -10,7 +10,7 @@ from backend.lora.registry import LoRARegistry
 from backend.model.config import load_model_config
 from backend.outputs import StepDelta
 from backend.serving.lora_metrics import AdapterUse
-from backend.serving.messages import RequestHandle
+from backend.serving.intake import RequestHandle
 from backend.serving.metrics import LatencyRecorder, ServingMetrics
 from tests.conftest import model_dir
 from tests.unit.lora_helpers import make_adapter

@@ -1,11 +1,11 @@
-"""The ``lora`` request parameter reaches SamplingParams (backend/serving/request_params.py)."""
+"""The ``lora`` request parameter reaches SamplingParams (backend/serving/intake.py)."""
 from __future__ import annotations
 
 import pytest
 
 from backend import SamplingParams
 from backend.errors import EngineError
-from backend.serving.request_params import request_settings
+from backend.serving.intake import request_settings
 
 
 def test_lora_parameter():

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from backend.errors import EngineError
-from backend.serving.request_params import request_settings
+from backend.serving.intake import request_settings
 from common import param_codec as codec
 
 

@@ -10,7 +10,7 @@ from backend.outputs import decode_delta
 from backend.errors import deadline_exceeded
 from backend.outputs import StepDelta
 from backend.serving.hold_policy import coalesce, merge_deltas
-from backend.serving.messages import ControlAnswered, DeltaArrived, Opened, Rejected, RequestHandle
+from backend.serving.intake import ControlAnswered, DeltaArrived, Opened, Rejected, RequestHandle
 from tests.conftest import model_dir
 
 PROMPTS = ["你好，世界！", "Emoji 😀🎉 and naïve café", "  leading spaces  and   gaps "]

@@ -16,7 +16,8 @@ from backend.serving.engine_parameters import engine_parameters, part_heading
 from backend.errors import EngineError, ErrorKind
 from backend.serving.repository import (TEMPLATES, declared_parameters, generate_repository,
                                         parse_engine_options, set_instance_count, set_parameter)
-from backend.serving.request_params import fit_context, parse_parameters, request_settings
+from backend.serving.intake import fit_context, request_settings
+from backend.serving.preprocess import parse_parameters
 from tests.conftest import model_dir
 
 

@@ -8,7 +8,7 @@ import pytest
 from backend import LLM
 from backend import protocol as P
 from backend.errors import EngineError
-from backend.serving.request_params import request_settings
+from backend.serving.intake import request_settings
 from tests.conftest import model_dir
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,

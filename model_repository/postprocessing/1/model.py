@@ -7,7 +7,7 @@ from backend import protocol as P
 from backend.serving.errors import as_engine_error, to_wire, triton_code
 from backend.serving.postprocess import Postprocessor, string_array
 from backend.serving.preprocess import one_string
-from backend.serving.request_params import parse_parameters, read
+from backend.serving.preprocess import parse_parameters, read
 from backend.serving.stub_exit import exit_stub
 from backend.serving.adapter_config import config_parameters, require_model_dir
 

@@ -5,7 +5,7 @@ import triton_python_backend_utils as pb_utils
 from backend import protocol as P
 from backend.serving.errors import as_engine_error, to_wire, triton_code
 from backend.serving.preprocess import Preprocessor, int_array, one_string
-from backend.serving.request_params import parse_parameters
+from backend.serving.preprocess import parse_parameters
 from backend.serving.stub_exit import exit_stub
 from backend.serving.adapter_config import config_parameters, require_model_dir
 
