@@ -1,10 +1,10 @@
 """LLM serving backend: engine, paged KV cache, model, offline API.
 
 ``LLM`` is imported lazily so that light users (the shim, pre/postprocessing) can import
-``backend.sampling_params`` without pulling in torch and the model.
+``SamplingParams`` (backend/engine/admission.py) without pulling in torch and the model.
 """
 from backend.config import EngineArgs
-from backend.sampling_params import SamplingParams
+from backend.engine.admission import SamplingParams
 
 __all__ = ["LLM", "EngineArgs", "SamplingParams"]
 

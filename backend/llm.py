@@ -13,7 +13,7 @@ from backend.engine.llm_engine import LLMEngine
 from backend.errors import EngineError, ErrorKind
 from backend.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, StepDelta
 from backend.pooling_params import PoolingParams
-from backend.sampling_params import SamplingParams
+from backend.engine.admission import SamplingParams
 
 
 class LLM:

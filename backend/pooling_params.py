@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from backend.sampling_params import InvalidSamplingParam
+from backend.errors import InvalidSamplingParam
 
 
 @dataclass

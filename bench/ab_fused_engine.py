@@ -9,7 +9,7 @@ import argparse
 import time
 
 from backend.llm import LLM
-from backend.sampling_params import SamplingParams
+from backend.engine.admission import SamplingParams
 
 
 def main() -> None:

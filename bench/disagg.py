@@ -20,7 +20,7 @@ from backend.disagg.pair import DisaggPair
 from backend.disagg.shm import SharedMemoryConnector
 from backend.disagg.tcp import TcpConnector
 from backend.engine.llm_engine import LLMEngine
-from backend.sampling_params import SamplingParams
+from backend.engine.admission import SamplingParams
 
 
 def drive(target, prompts, params) -> tuple[dict, dict, float]:

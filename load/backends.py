@@ -262,7 +262,7 @@ class EngineBackend(Backend):
             await asyncio.to_thread(self.loop.shutdown, False)
 
     async def stream(self, request_id, messages, max_tokens):
-        from backend.sampling_params import SamplingParams
+        from backend.engine.admission import SamplingParams
 
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from backend.outputs import TokenLogprob
-from backend.sampling_params import SamplingParams
+from backend.engine.admission import SamplingParams
 
 VERSION = 2
 MAX_RECORD_CHARS = 8 << 20           # a 32k-token prompt is ~200 KB of JSON

@@ -16,15 +16,19 @@ cached history out of the LRU.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from backend.engine.admission import EngineLimits, token_ids_ok
-from backend.engine.sequence import Sequence
 from backend.errors import invalid_request
 from backend.model.pooling import PoolingConfig, finish_vector
 from backend.outputs import StepDelta
+from backend.errors import InvalidSamplingParam
 from backend.pooling_params import PoolingParams
-from backend.sampling_params import InvalidSamplingParam
+
+if TYPE_CHECKING:
+    from backend.engine.sequence import Sequence
 
 
 class ResolvedPooling:

@@ -30,7 +30,7 @@ from backend.engine.roles import StepEngine
 from backend.errors import EngineError, internal, queue_full, unavailable
 from backend.outputs import STOP, StepDelta
 from backend.pooling_params import PoolingParams
-from backend.sampling_params import SamplingParams
+from backend.engine.admission import SamplingParams
 from common import env
 
 if TYPE_CHECKING:

@@ -21,9 +21,9 @@ from backend.context import context_window
 from backend.engine.admission import EngineLimits, check_queue, duplicate_id, validate_request
 from backend.engine.embedding import absorb, embedding_delta, validate_embed
 from backend.engine.sampler import Sampler
-from backend.engine.schedule_output import SampledLogprobs, SampledTokens, SchedulerOutput, StepOutcome, build_batch
 from backend.engine.scheduler import Scheduler
-from backend.engine.sequence import Request, Sequence
+from backend.engine.sequence import (Request, SampledLogprobs, SampledTokens, SchedulerOutput, Sequence, StepOutcome,
+                                     build_batch)
 from backend.outputs import StopChecker, make_deltas
 from backend.errors import EngineError, ErrorKind, deadline_exceeded, invalid_request, unavailable
 from backend.kv_cache.block_pool import extra_key
@@ -33,7 +33,7 @@ from backend.lora.registry import UnknownAdapter
 from backend.model.pooling import PoolingConfig
 from backend.outputs import StepDelta
 from backend.pooling_params import PoolingParams
-from backend.sampling_params import SamplingParams
+from backend.engine.admission import SamplingParams
 from backend.structured.compiler import Grammars
 from backend.spec.config import SpeculativeConfig
 from backend.spec.speculator import make_speculator

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from backend.model.pooling import PoolingConfig
     from backend.outputs import StepDelta
     from backend.pooling_params import PoolingParams
-    from backend.sampling_params import SamplingParams
+    from backend.engine.admission import SamplingParams
 
 
 @runtime_checkable

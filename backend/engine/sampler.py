@@ -26,7 +26,7 @@ from typing import Protocol
 import torch
 
 from backend.outputs import TokenLogprob
-from backend.sampling_params import SamplingParams
+from backend.engine.admission import SamplingParams
 from backend.structured.logits import apply_constraints
 
 

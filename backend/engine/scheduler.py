@@ -28,9 +28,8 @@ import time
 from typing import TYPE_CHECKING, cast
 
 from backend.engine.embedding import prefix_tokens
-from backend.engine.schedule_output import (SampledLogprobs, SampledTokens, SchedulerOutput, StepOutcome,
-                                            plan_sampling)
-from backend.engine.sequence import Request, SeqStatus, Sequence
+from backend.engine.sequence import (Request, SampledLogprobs, SampledTokens, SchedulerOutput, SeqStatus, Sequence,
+                                     StepOutcome, plan_sampling)
 from backend.errors import EngineError
 from backend.outputs import TokenLogprob
 

@@ -35,11 +35,11 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from backend import protocol as P
 from backend.engine.roles import takes_handover
-from backend.errors import EngineError, invalid_request, unavailable
+from backend.errors import EngineError, InvalidSamplingParam, invalid_request, unavailable
 from backend.outputs import STOP, Stop  # noqa: F401  (the one stop sentinel, shared with the engine loop)
 from backend.outputs import StepDelta
 from backend.pooling_params import PoolingParams
-from backend.sampling_params import InvalidSamplingParam, SamplingParams
+from backend.engine.admission import SamplingParams
 from backend.serving.errors import as_engine_error
 from backend.serving.preprocess import fit_prompt, parse_parameters
 from backend.structured.spec import parse_logit_bias, spec_from_params

@@ -118,7 +118,7 @@ class Grammars:
         return self.prepare_async(params).result()
 
     def compile(self, spec: StructuredSpec) -> Grammar:
-        from backend.sampling_params import SamplingParams
+        from backend.engine.admission import SamplingParams
         return self.prepare(SamplingParams(structured=spec))
 
     def _ready(self, spec: StructuredSpec) -> Grammar | None:

@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 
 from backend.config import EngineArgs
 from backend.llm import LLM
-from backend.sampling_params import SamplingParams
+from backend.engine.admission import SamplingParams
 from tests.conftest import E2E_ENGINE_OPTIONS
 from tests.e2e.helpers import generate
 

@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from backend.config import EngineArgs
-from backend.sampling_params import SamplingParams
+from backend.engine.admission import SamplingParams
 from tests.conftest import E2E_ENGINE_OPTIONS
 from tests.e2e.shim_fixtures import KEY, MODEL, async_sdk, sdk, shim  # noqa: F401 -- fixtures
 

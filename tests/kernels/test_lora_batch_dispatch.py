@@ -2,7 +2,7 @@
 choice between them (backend/lora/batch.py ``lora_kernel``), under the interpreter or on a GPU.
 
 A mixed step: three adapters (ranks 8, 16, 64, on different targets) and base rows, interleaved
-in the flattened token batch the way backend/engine/schedule_output.py (build_batch) builds it. Tolerance, relative to
+in the flattened token batch the way backend/engine/sequence.py (build_batch) builds it. Tolerance, relative to
 max |reference|: 1e-5 (fp32 products, only the summation order differs); base rows bit for bit.
 """
 import pytest

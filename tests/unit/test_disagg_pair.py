@@ -15,7 +15,7 @@ from backend.disagg.pair import DisaggPair
 from backend.disagg.shm import SharedMemoryConnector
 from backend.disagg.tcp import TcpConnector
 from backend.engine.llm_engine import LLMEngine
-from backend.sampling_params import SamplingParams
+from backend.engine.admission import SamplingParams
 from tests.conftest import model_dir
 
 LENGTHS = [3, 15, 16, 17, 33, 48, 70, 9]

@@ -14,7 +14,7 @@ from backend.config import EngineArgs
 from backend.engine.engine_loop import EngineLoop
 from backend.engine.llm_engine import LLMEngine
 from backend.errors import EngineError
-from backend.sampling_params import SamplingParams
+from backend.engine.admission import SamplingParams
 from backend.serving.disagg_engine import DecodeLoop, HandoverDelta, build_role
 from backend.serving.postprocess import engine_outputs
 from tests.conftest import model_dir

@@ -151,7 +151,7 @@ def test_quantized_round_trip_within_error(tmp_path, qtype):
 
 def test_engine_runs_the_imported_checkpoint(tmp_path):
     from backend.llm import LLM
-    from backend.sampling_params import SamplingParams
+    from backend.engine.admission import SamplingParams
 
     src = model_dir("tiny")
     write_gguf(src, tmp_path / "f32.gguf")

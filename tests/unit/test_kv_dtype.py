@@ -16,7 +16,7 @@ from backend.disagg.pair import DisaggPair
 from backend.disagg.shm import SharedMemoryConnector
 from backend.engine.llm_engine import LLMEngine
 from backend.model.loader import kv_cache_torch_dtype
-from backend.sampling_params import SamplingParams
+from backend.engine.admission import SamplingParams
 from kernels import cpu
 from kernels.reference import paged_attention_ref
 from tests.conftest import model_dir

@@ -8,7 +8,7 @@ import torch
 
 from backend.engine.sampler import Sampler
 from backend.engine.sequence import Request
-from backend.sampling_params import InvalidSamplingParam, SamplingParams
+from backend.engine.admission import InvalidSamplingParam, SamplingParams
 
 V = 8
 EOS = 7

@@ -5,7 +5,7 @@ from backend.engine.scheduler import Scheduler
 from backend.engine.sequence import Request, SeqStatus
 from backend.outputs import StopChecker
 from backend.kv_cache.manager import KVCacheManager
-from backend.sampling_params import SamplingParams
+from backend.engine.admission import SamplingParams
 from tests.unit.kv_helpers import free_blocks
 
 BS = 4

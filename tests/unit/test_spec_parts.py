@@ -8,7 +8,7 @@ import torch
 
 from backend.config import EngineArgs
 from backend.kv_cache.manager import KVCacheManager
-from backend.sampling_params import SamplingParams
+from backend.engine.admission import SamplingParams
 from backend.serving.repository import parse_engine_options
 from backend.spec.config import SpeculativeConfig
 from backend.spec.ngram import NgramProposer, find_continuation

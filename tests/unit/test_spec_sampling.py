@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import backend.spec.verify
-from backend.sampling_params import SamplingParams
+from backend.engine.admission import SamplingParams
 from backend.spec.ngram import NgramProposer
 from tests.unit.spec_helpers import (V, DistributionProposer, chi_square_p, holm_rejections, markov_engine,
                                      markov_table, run_all)

@@ -14,7 +14,7 @@ from backend.engine.engine_loop import EngineLoop
 from backend.engine.llm_engine import LLMEngine
 from backend.config import EngineConfig
 from backend.errors import EngineError
-from backend.sampling_params import InvalidSamplingParam, SamplingParams
+from backend.engine.admission import InvalidSamplingParam, SamplingParams
 from backend.structured.cache import ByteLRU
 from backend.structured.caps import MAX_NESTING, MAX_REPEAT, MAX_UNROLLED, check_spec
 from backend.structured.spec import StructuredSpec, spec_from_params

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from backend.errors import EngineError
-from backend.sampling_params import InvalidSamplingParam, SamplingParams
+from backend.engine.admission import InvalidSamplingParam, SamplingParams
 from backend.structured.compiler import Grammars
 from backend.structured.logits import apply_constraints, fill_bitmask
 from backend.structured.spec import StructuredSpec, parse_logit_bias, spec_from_params
