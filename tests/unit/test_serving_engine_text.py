@@ -81,7 +81,7 @@ def step(svc, clock, dt=0.001):
 
 
 def engine_deltas(rid, ids, chunks):
-    """The engine's deltas for ``ids`` sent in chunks (window, num_sent as stop_checker.make_deltas makes them)."""
+    """The engine's deltas for ``ids`` sent in chunks (window, num_sent as outputs.make_deltas makes them)."""
     out, sent = [], 0
     for n in chunks:
         end = min(len(ids), sent + n)
