@@ -19,6 +19,13 @@ DONE = """n => !document.querySelector('[data-testid=msg-streaming]')
           && document.querySelectorAll('[data-testid=msg-assistant]').length === n"""
 
 
+# The distinct lengths the streaming message's text takes, recorded as the DOM changes.
+WATCH_SIZES = """() => { window.__sizes = new Set(); new MutationObserver(() => {
+    const e = document.querySelector('[data-testid=msg-streaming] [data-testid=content]');
+    if (e && e.textContent.length > 0) window.__sizes.add(e.textContent.length);
+}).observe(document.body, {subtree: true, childList: true, characterData: true}); }"""
+
+
 def set_reply_options(page: Page, max_tokens: int, ignore_eos: bool = False,
                       keep_turns: int | None = None) -> None:
     page.get_by_test_id("settings-toggle").click()
@@ -78,17 +85,12 @@ def test_chat_page_scenario(chat_stack, chat_page, output_dir):
     expect(conversation_items(page)).to_have_count(2)
     set_reply_options(page, max_tokens=900, ignore_eos=True)
     aborts_before = chat_stack.abort_count()
+    page.evaluate(WATCH_SIZES)
     page.get_by_test_id("input").fill("Count slowly to one thousand.")
     page.get_by_test_id("send").click()
-    streaming = page.get_by_test_id("msg-streaming").get_by_test_id("content")
-    page.wait_for_function("""() => { const e = document.querySelector(
-        '[data-testid=msg-streaming] [data-testid=content]'); return e && e.textContent.length > 0; }""")
-    seen = {len(streaming.text_content())}
-    deadline = time.monotonic() + 60                      # the text grows while we watch (a
-    while len(seen) < 3 and time.monotonic() < deadline:  # deadline, not 50 looks: a loaded CI
-        seen.add(len(streaming.text_content()))           # host streams slowly; a reply that
-        time.sleep(0.02)                                  # comes in one piece never gets 3 sizes)
-    assert len(seen) >= 3, "the reply did not stream token by token"
+    # Three sizes of the streaming text, seen by an observer as the DOM changes (a poll could miss
+    # sizes of a reply that streams fast); then stop it while it streams (900 tokens, ignore_eos).
+    page.wait_for_function("window.__sizes.size >= 3", timeout=REPLY_MS)
     page.get_by_test_id("stop").click()
     page.wait_for_function(DONE, arg=1)
     stopped = page.get_by_test_id("msg-assistant").last
