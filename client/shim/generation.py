@@ -51,12 +51,8 @@ router = APIRouter()
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request,
                            key: KeyPolicy = Depends(authenticated)):
-    state = request.app.state
-    lora = adapter_for(state, body.model)
-    await check_prompt(request, body.prompt_chars(), "messages")
+    state, params, slot = await admit(request, body, key, "messages")
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    params = request_params(request, body, key, lora)
-    slot = state.in_flight.acquire(key)
     agens = [state.client.generate(messages=body.messages_json(), request_id=rid, params=params,
                                    stream=body.stream)]
     tally_type = ToolTally if body.tools and parses_tool_calls(body) else Tally     # tools: message.tool_calls
@@ -71,12 +67,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, key: KeyPolicy = Depends(authenticated)):
-    state = request.app.state
-    lora = adapter_for(state, body.model)
-    await check_prompt(request, body.prompt_chars(), "prompt")
+    state, params, slot = await admit(request, body, key, "prompt")
     rid = f"cmpl-{uuid.uuid4().hex}"
-    params = request_params(request, body, key, lora)
-    slot = state.in_flight.acquire(key)
     prompts = body.prompts()
     n = body.n or 1
     agens = [state.client.generate(prompt=p, request_id=rid if len(prompts) == 1 else f"{rid}-{i}",
@@ -133,14 +125,21 @@ def request_params(request: Request, body, key: KeyPolicy, lora: str | None = No
     return params
 
 
+async def admit(request: Request, body, key: KeyPolicy, prompt_param: str) -> tuple:
+    """What every generating route does first: the model id -> adapter (404), the prompt's size
+    (400), the parameters with the key's, and the key's slot (429); -> (app state, params, slot)."""
+    state = request.app.state
+    lora = adapter_for(state, body.model)
+    await check_prompt(request, body.prompt_chars(), prompt_param)
+    params = request_params(request, body, key, lora)
+    return state, params, state.in_flight.acquire(key)
+
+
 async def respond_chat(request: Request, key: KeyPolicy, chat, tally, param_names: dict[str, str],
                        prompt_param: str) -> Response:
     """Generate the ChatCompletionRequest ``chat`` (Responses and Anthropic Messages translate their
     bodies into one) and answer with ``tally``'s shape (a whole body, or its SSE stream)."""
-    await check_prompt(request, chat.prompt_chars(), prompt_param)
-    state = request.app.state
-    params = request_params(request, chat, key, adapter_for(state, chat.model))   # model -> adapter
-    slot = state.in_flight.acquire(key)
+    state, params, slot = await admit(request, chat, key, prompt_param)
     agens = [state.client.generate(messages=chat.messages_json(), request_id=tally.id, params=params,
                                    stream=chat.stream)]
     return await respond(request, agens, tally, 1, chat.stream, param_names, slot)
