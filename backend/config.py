@@ -47,7 +47,6 @@ class EngineConfig:
     quant_group_size: int = 32                    # inputs per weight scale (int4: a multiple of 32); int8: 0 = one per output channel
     quant_lm_head: bool | None = None             # the LM head too (a tied head gets a quantized copy); None: with int8
                                                   # (as llama.cpp's Q8_0 files; same agreement with fp32, half the bytes)
-    quant_activations: str = "int16"              # experiment: int8 = W8A8 (backend/quant/csrc/w8_a8.c)
     device: str = "cpu"                           # torch device of the model and KV pool (cpu, cuda)
     attention_backend: str = "auto"               # auto | torch | triton
     seed: int = 0                                 # seed of the engine's sampler (a request's own seed wins)

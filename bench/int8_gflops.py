@@ -39,7 +39,7 @@ def best_s(fn, rounds: int, min_s: float = 0.02) -> float:
     return best
 
 
-def variants(x: torch.Tensor, w: torch.Tensor, q, packed, packed_a8) -> dict:
+def variants(x: torch.Tensor, w: torch.Tensor, q, packed) -> dict:
     from kernels.cpu import decode_library
 
     m, k = x.shape
@@ -54,8 +54,6 @@ def variants(x: torch.Tensor, w: torch.Tensor, q, packed, packed_a8) -> dict:
     out["int8 rows"] = lambda: cpu.gemm(x, "int8", q.qweight, q.scales, None, 32, k, None, kernel=rows)
     if packed is not None:
         out["int8 packed"] = lambda: cpu.gemm(x, "int8", q.qweight, q.scales, None, 32, k, None, packed=packed)
-    if packed_a8 is not None:
-        out["W8A8 packed"] = lambda: cpu.gemm(x, "int8", q.qweight, q.scales, None, 32, k, None, packed=packed_a8)
     return out
 
 
@@ -76,10 +74,9 @@ def main(argv: list[str] | None = None) -> int:
         w = torch.randn(n, k) * 0.05
         q = layout.quantize_int8(w, 32)
         packed = cpu.pack("int8", q.qweight, q.scales, 32, k)
-        packed_a8 = cpu.pack("int8", q.qweight, q.scales, 32, k, activations="int8") if cpu.library().w8a8_available() else None
         for m in a.ms:
             x = torch.randn(m, k)
-            fns = variants(x, w, q, packed, packed_a8)
+            fns = variants(x, w, q, packed)
             if header is None:
                 header = list(fns)
                 print("| N x K | M | " + " | ".join(header) + " |  (GFLOP/s, 1 thread)\n|---|---|" + "---|" * len(header))

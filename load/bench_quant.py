@@ -45,13 +45,12 @@ def parse_spec(spec: str) -> dict:
     """``int4@128:bfloat16`` -> engine options (method, then @group size, then :dtype); ``+head`` /
     ``-head`` after the method quantizes the LM head or keeps it float (``quant_lm_head``; neither:
     the engine's default, on with int8)."""
-    a8 = "!a8" in spec                           # the W8A8 experiment (quant_activations=int8)
-    spec = spec.replace("!f32a", "").replace("!a8", "")
+    spec = spec.replace("!f32a", "")             # speed: int8 with fp32 activations (see speed())
     rest, _, dtype = spec.partition(":")
     head = True if "+head" in rest else False if "-head" in rest else None
     method, _, group = rest.replace("+head", "").replace("-head", "").partition("@")
     return {"quantization": method, "dtype": dtype or "float32", "quant_group_size": int(group or 32),
-            "quant_lm_head": head, **({"quant_activations": "int8"} if a8 else {})}
+            "quant_lm_head": head}
 
 
 def _runner(model: str, spec: str):

@@ -160,7 +160,7 @@ def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device, are
 def load_model(model_dir: str | pathlib.Path, cfg: ModelConfig, *, dtype: torch.dtype,
                device: str | torch.device = "cpu", max_positions: int | None = None,
                quantization: str = "none", quant_group_size: int = 32,
-               quant_lm_head: bool = False, quant_activations: str = "int16") -> LlamaForCausalLM:
+               quant_lm_head: bool = False) -> LlamaForCausalLM:
     """Build the model and fill every parameter from the checkpoint; ValueError on any mismatch.
 
     ``quantization`` int8/int4 quantizes the decoder projections after loading (backend/quant); a
@@ -206,5 +206,5 @@ def load_model(model_dir: str | pathlib.Path, cfg: ModelConfig, *, dtype: torch.
     if absent:
         raise ValueError(f"{model_dir}: checkpoint lacks {', '.join(absent[:5])}"
                          f"{' ...' if len(absent) > 5 else ''}")
-    finish_load(model, model_dir, quantization, quant_group_size, lm_head=quant_lm_head, activations=quant_activations)
+    finish_load(model, model_dir, quantization, quant_group_size, lm_head=quant_lm_head)
     return model.eval()

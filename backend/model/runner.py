@@ -128,7 +128,7 @@ class ModelRunner:
         max_len = model_max_len(cfg, args)
         self.model = load_model(model_dir, cfg, dtype=self.dtype, device=self.device, max_positions=max_len,
                                 quantization=args.quantization, quant_group_size=args.quant_group_size,
-                                quant_lm_head=args.head_quantized, quant_activations=args.quant_activations)
+                                quant_lm_head=args.head_quantized)
         q = self.model.quantization
         logging.getLogger("triton_llm.model").info(
             "loaded %s: dtype %s, quantization %s%s, weights %.1f MiB", model_dir,

@@ -90,8 +90,7 @@ def _head_method(model_dir, quantization: str, group_size: int, qc: dict | None)
     raise ValueError("quant_lm_head needs quantization=int8 or int4 (or a quantized checkpoint)")
 
 
-def finish_load(model: nn.Module, model_dir, quantization: str, group_size: int, lm_head: bool = False,
-                activations: str = "int16") -> None:
+def finish_load(model: nn.Module, model_dir, quantization: str, group_size: int, lm_head: bool = False) -> None:
     """The loader's hook: quantize a float checkpoint when asked; check a quantized one; with
     ``lm_head``, add a quantized copy of the LM head (``model.lm_head_q``: the embedding lookup of
     a tied head keeps the float table, the logits matmul reads the quantized copy)."""
@@ -106,9 +105,6 @@ def finish_load(model: nn.Module, model_dir, quantization: str, group_size: int,
         w = model.lm_head_weight().data
         qw = quantize_int8(w, group) if method == "int8" else quantize(w, method, group)
         model.lm_head_q = QuantLinear.from_quant(qw, None)
-    for module in model.modules():
-        if isinstance(module, QuantLinear):
-            module.activations = activations
     model.quantization = summary(model)
 
 

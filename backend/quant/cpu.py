@@ -40,7 +40,7 @@ from common import env
 
 CSRC = pathlib.Path(__file__).with_name("csrc")
 SOURCE = CSRC / "w8_gemm.c"                # + the rest of csrc/ in one library (csrc/quant_cpu.h)
-EXTRA = tuple(CSRC / f for f in ("w8_f32a.c", "w8_a16.c", "w8_gemv.c", "w8_avx512.c", "w8_packed.c", "w8_a8.c", "w8_quantize.c", "w4.c"))
+EXTRA = tuple(CSRC / f for f in ("w8_f32a.c", "w8_a16.c", "w8_gemv.c", "w8_avx512.c", "w8_packed.c", "w8_quantize.c", "w4.c"))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 SMALL_M = 32
 PACKED_MIN_M = 2      # int8 groups of 32 packed at load (csrc/w8_packed.c): from this many rows
@@ -72,9 +72,6 @@ def library():
     lib.w8_packed_min_m.argtypes, lib.w8_packed_min_m.restype = [], _I
     lib.w8_packed_bytes.argtypes, lib.w8_packed_bytes.restype = [_I, _I], _I
     lib.w8_pack_g32.argtypes, lib.w8_pack_g32.restype = [_P, _P, _I, _I, _P], None
-    lib.w8a8_available.argtypes, lib.w8a8_available.restype = [], _C
-    lib.w8a8_packed_bytes.argtypes, lib.w8a8_packed_bytes.restype = [_I, _I], _I
-    lib.w8a8_pack.argtypes, lib.w8a8_pack.restype = [_P, _P, _I, _I, _P], None
     lib.w8_set_packed_min_m(PACKED_MIN_M)
     lib.w8_quantize.argtypes, lib.w8_quantize.restype = [_P, _I, _I, _I, _P, _P, _C], None
     lib.w8_gemm_cols.argtypes, lib.w8_gemm_cols.restype = [_P, _I, _I, _I, _P, _P, _I, _P, _I, _P, _I, _I, _I], None
@@ -90,8 +87,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def pack(method: str, qweight: torch.Tensor, scales: torch.Tensor, group_size: int, k: int,
-         activations: str = "int16") -> torch.Tensor | None:
+def pack(method: str, qweight: torch.Tensor, scales: torch.Tensor, group_size: int, k: int) -> torch.Tensor | None:
     """int8 in groups of 32 (K % 32 == 0) -> the packed buffer w8_gemm reads with G = PACKED_G
     (csrc/w8_packed.c: header, weights [N/16][K/2][16][2], fp32 scales); None where it does not apply
     (other methods or groups, no AVX2 build, no library). The buffer points at ``qweight`` and
@@ -100,13 +96,11 @@ def pack(method: str, qweight: torch.Tensor, scales: torch.Tensor, group_size: i
     if (lib is None or method != "int8" or group_size != 32 or k % 32 or qweight.device.type != "cpu"
             or not qweight.is_contiguous() or not scales.is_contiguous()):
         return None
-    a8 = activations == "int8" and lib.w8a8_available()     # the W8A8 experiment (csrc/w8_a8.c)
-    size, fill = (lib.w8a8_packed_bytes, lib.w8a8_pack) if a8 else (lib.w8_packed_bytes, lib.w8_pack_g32)
-    nbytes = size(qweight.shape[0], k)
+    nbytes = lib.w8_packed_bytes(qweight.shape[0], k)
     if nbytes <= 0:
         return None
     buf = torch.empty(nbytes, dtype=torch.uint8)
-    fill(qweight.data_ptr(), scales.data_ptr(), qweight.shape[0], k, buf.data_ptr())
+    lib.w8_pack_g32(qweight.data_ptr(), scales.data_ptr(), qweight.shape[0], k, buf.data_ptr())
     return buf
 
 

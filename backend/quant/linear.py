@@ -42,7 +42,6 @@ class QuantLinear(nn.Module):
             self.zeros = _param(torch.empty(out_features, ng, dtype=torch.float16))
         self.scales = _param(torch.empty(out_features, ng, dtype=torch.float16))
         self.bias = _param(torch.empty(out_features)) if bias else None
-        self.activations = "int16"                  # experiment: int8 = W8A8 (cpu.pack)
         self.packed: torch.Tensor | None = None     # cpu.pack's buffer (pack()), not a parameter
         self._packed_key: tuple | None = None
         self.param_dtypes = {"qweight": self.qweight.dtype, "scales": torch.float16, "zeros": torch.float16}
@@ -62,12 +61,11 @@ class QuantLinear(nn.Module):
         fills them after construction); None where no packed layout applies."""
         if self.qweight.device.type != "cpu" or self.qweight.is_meta:
             return None
-        key = (self.qweight.data_ptr(), self.qweight._version, self.scales.data_ptr(), self.scales._version,
-               self.activations)
+        key = (self.qweight.data_ptr(), self.qweight._version, self.scales.data_ptr(), self.scales._version)
         if key != self._packed_key:
             from backend.quant import cpu
             self.packed, self._packed_key = cpu.pack(self.method, self.qweight, self.scales, self.group_size,
-                                                     self.in_features, self.activations), key
+                                                     self.in_features), key
         return self.packed
 
     def c_weight(self) -> tuple[int, int]:

@@ -109,19 +109,14 @@ typedef struct {
     int64_t N, K;
     const int8_t *w;              /* the row-major weight and fp16 scales it was packed from (GEMVs) */
     const uint16_t *scales;
-    int64_t kind;                 /* W8P_KIND_A16 (w8_packed.c) or W8P_KIND_A8 (w8_a8.c) */
-    int64_t pad[3];               /* 64 bytes: the packed weights start cache-line aligned */
+    int64_t pad[4];               /* 64 bytes: the packed weights start cache-line aligned */
 } w8p_hdr;
-#define W8P_KIND_A16 0
-#define W8P_KIND_A8 0x3841            /* "A8" */
 static inline int8_t *w8p_weights(const w8p_hdr *h) { return (int8_t *)h + sizeof(w8p_hdr); }
 static inline float *w8p_scales(const w8p_hdr *h) {
     return (float *)(w8p_weights(h) + (h->N + 15) / 16 * 16 * h->K);
 }
 void w8_gemm_packed(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *buf, int64_t b0,
                     const float *bias, int64_t N, float *y, int64_t ldy, int nthreads);
-void w8a8_gemm_packed(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *buf, int64_t b0,
-                      const float *bias, int64_t N, float *y, int64_t ldy, int nthreads);
 int w8_has_avx512(void);     /* 1 where w8_avx512.c was built with AVX-512BW */
 void w8_gemm_g32_z(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *w, const uint16_t *scales,
                    const float *bias, int64_t N, float *y, int64_t ldy, int nthreads);

@@ -30,10 +30,6 @@ void w8_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *w,
     if (G <= W8_PACKED_G) {        /* w8_pack_g32's buffer, or its slice from block b0 (quant_cpu.h) */
         const w8p_hdr *h = (const w8p_hdr *)w;
         const int64_t b0 = W8_PACKED_G - G;
-        if (h->kind == W8P_KIND_A8) {          /* W8A8 (w8_a8.c): its own numerics at every M */
-            w8a8_gemm_packed(x, M, K, ldx, (const uint8_t *)w, b0, bias, N, y, ldy, nthreads);
-            return;
-        }
 #ifdef __AVX2__
         if (a16_min_m > 0 && packed_min_m > 0 && M >= packed_min_m) {
             w8_gemm_packed(x, M, K, ldx, (const uint8_t *)w, b0, bias, N, y, ldy, nthreads);

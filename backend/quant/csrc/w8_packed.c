@@ -35,7 +35,7 @@ int64_t w8_packed_bytes(int64_t N, int64_t K) {
 void w8_pack_g32(const int8_t *w, const uint16_t *scales, int64_t N, int64_t K, uint8_t *buf) {
     w8p_hdr *h = (w8p_hdr *)buf;
     int64_t nb = (N + 15) / 16, ng = K / 32, kp = K / 2;
-    h->N = N; h->K = K; h->w = w; h->scales = scales; h->kind = W8P_KIND_A16;
+    h->N = N; h->K = K; h->w = w; h->scales = scales;
     int8_t *wp = w8p_weights(h);
     float *sp = w8p_scales(h);
     for (int64_t b = 0; b < nb; b++)
