@@ -2,7 +2,7 @@
 workload with the fused C step in its modes, alternating in one process.
 
     .venv/bin/python -m bench.profile_steps MODEL_DIR [--streams 16] [--requests 64] [--rounds 2]
-        [--modes torch,decode,varlen] [--threads N] [--dtype D]
+        [--modes torch,decode,varlen] [--threads N] [--dtype D] [--engine-option K=V]
 
 Workload: load/peers.py's shape in token ids -- prompts uniform in 16..256 tokens (corpus windows),
 outputs exponential with mean 64 capped at 256, greedy, ignore_eos; a closed loop of ``--streams``
@@ -105,6 +105,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default=None, help="the engine's dtype (float32, bfloat16, ...; default: its own)")
+    ap.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
+                    help="another engine option (e.g. quantization=int8), repeatable")
     ap.add_argument("--json", default=None, help="write every run here")
     ap.add_argument("--prime", action="store_true",
                     help="run the requests once untimed first and let every run share that prefix cache "
@@ -115,6 +117,7 @@ def main() -> None:
         opts["num_threads"] = a.threads
     if a.dtype:
         opts["dtype"] = a.dtype
+    opts.update(kv.split("=", 1) for kv in a.engine_option)
     llm = LLM(a.model_dir, **opts)
     runner = llm.engine.runner
     fused = runner.fused
