@@ -2,6 +2,7 @@
 continuation follows the fp32 one.
 
     python -m bench.int8_agreement [--model models/default] [--methods int8 int8@0] [--prompts 12] [--tokens 48]
+                                   [--llama-cpp q8_0 bf16]
 
 For each prompt (the first 8 words of the first English lines of backend/assets/corpus.txt, as in
 ``load.bench_quant quality``), fp32 and each method generate ``--tokens`` greedy tokens
@@ -16,6 +17,11 @@ library's weight-only loops); ``dq:int8`` runs the fp32 engine on the dequantize
 (what quantizing in plain torch gives: the int8 contract without the int8 kernels). ``--min``
 makes the exit status 1 when the first method scores below it (the issue's goal for the default
 int8: 0.65).
+
+``--llama-cpp TYPE ...`` scores llama.cpp the same way against itself, for comparison: its GGUF of
+each type (load/llamacpp.py: converted, or quantized by llama-quantize, once per checkpoint) against
+its own f32 GGUF, one ``llama-server`` (2 threads, one slot) per type, greedy (``top_k`` 1),
+``ignore_eos``, no prompt cache. Its Q8_0 quantizes the activations too (Q8_0 x Q8_0 dots).
 """
 from __future__ import annotations
 
@@ -71,17 +77,47 @@ def generate(model: str, spec: str, texts: list[str], tokens: int, streams: int,
     return out, time.perf_counter() - t0
 
 
+def llama_generate(gguf: pathlib.Path, texts: list[str], tokens: int) -> tuple[list[list[int]], float]:
+    import urllib.request
+
+    from load.llamacpp import LlamaServer
+
+    out: list[list[int]] = []
+    with LlamaServer(gguf, parallel=1, threads=2, ctx_per_slot=2048) as srv:
+        t0 = time.perf_counter()
+        for text in texts:
+            body = {"prompt": text, "n_predict": tokens, "samplers": ["top_k"], "top_k": 1, "temperature": 0,
+                    "ignore_eos": True, "cache_prompt": False, "return_tokens": True}
+            req = urllib.request.Request(srv.url.removesuffix("/v1") + "/completion", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=300) as resp:
+                out.append(json.load(resp)["tokens"])
+        return out, time.perf_counter() - t0
+
+
+def score(name: str, ref: list[list[int]], got: list[list[int]], secs: float) -> dict:
+    shares = [prefix_share(r, g) for r, g in zip(ref, got)]
+    row = {"method": name, "agreement": sum(shares) / len(shares), "identical_prompts": sum(s == 1.0 for s in shares),
+           "seconds": secs, "per_prompt": [round(s, 3) for s in shares]}
+    print(row, flush=True)
+    return row
+
+
 def run(a) -> list[dict]:
     texts = prompts(a.prompts)
     ref, ref_s = generate(a.model, "none", texts, a.tokens, a.streams, a.threads)
     rows = [{"method": "none (fp32)", "agreement": 1.0, "identical_prompts": len(texts), "seconds": ref_s}]
     for spec in a.methods:
-        got, secs = generate(a.model, spec, texts, a.tokens, a.streams, a.threads)
-        shares = [prefix_share(r, g) for r, g in zip(ref, got)]
-        rows.append({"method": spec, "agreement": sum(shares) / len(shares),
-                     "identical_prompts": sum(s == 1.0 for s in shares), "seconds": secs,
-                     "per_prompt": [round(s, 3) for s in shares]})
-        print(rows[-1], flush=True)
+        rows.append(score(spec, ref, *generate(a.model, spec, texts, a.tokens, a.streams, a.threads)))
+    if a.llama_cpp:
+        from load.llamacpp import convert_to_gguf, quantize_gguf
+
+        model = pathlib.Path(a.model)
+        lref, _ = llama_generate(convert_to_gguf(model, "float32"), texts, a.tokens)
+        for t in a.llama_cpp:
+            gguf = convert_to_gguf(model, {"bf16": "bfloat16", "f16": "float16"}[t]) if t in ("bf16", "f16") \
+                else quantize_gguf(model, t)
+            rows.append(score(f"llama.cpp {t} (against its f32)", lref, *llama_generate(gguf, texts, a.tokens)))
     return rows
 
 
@@ -94,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--streams", type=int, default=1, help="prompts per generate call")
     ap.add_argument("--threads", type=int, default=None, help="engine num_threads")
     ap.add_argument("--min", type=float, default=None, help="exit 1 if the first method scores below this")
+    ap.add_argument("--llama-cpp", nargs="*", default=[], metavar="TYPE",
+                    help="also llama.cpp's TYPE (q8_0, q4_0, bf16, f16) against its own f32")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     rows = run(a)
