@@ -20,7 +20,7 @@ int8: 0.65).
 
 ``--llama-cpp TYPE ...`` scores llama.cpp the same way against itself, for comparison: its GGUF of
 each type (load/llamacpp.py: converted, or quantized by llama-quantize, once per checkpoint) against
-its own f32 GGUF, one ``llama-server`` (2 threads, one slot) per type, greedy (``top_k`` 1),
+its own f32 GGUF, one ``llama-server`` (every core, one slot) per type, greedy (``top_k`` 1),
 ``ignore_eos``, no prompt cache. Its Q8_0 quantizes the activations too (Q8_0 x Q8_0 dots).
 """
 from __future__ import annotations
@@ -83,7 +83,7 @@ def llama_generate(gguf: pathlib.Path, texts: list[str], tokens: int) -> tuple[l
     from load.llamacpp import LlamaServer
 
     out: list[list[int]] = []
-    with LlamaServer(gguf, parallel=1, threads=2, ctx_per_slot=2048) as srv:
+    with LlamaServer(gguf, parallel=1, ctx_per_slot=2048) as srv:     # every core, as in the peers suite
         t0 = time.perf_counter()
         for text in texts:
             body = {"prompt": text, "n_predict": tokens, "samplers": ["top_k"], "top_k": 1, "temperature": 0,
@@ -110,13 +110,14 @@ def run(a) -> list[dict]:
     for spec in a.methods:
         rows.append(score(spec, ref, *generate(a.model, spec, texts, a.tokens, a.streams, a.threads)))
     if a.llama_cpp:
-        from load.llamacpp import convert_to_gguf, quantize_gguf
+        from load.llamacpp import OUTTYPES, convert_to_gguf, quantize_gguf
+
+        dtypes = {short: name for name, short in OUTTYPES.items()}     # bf16 -> bfloat16, ...
 
         model = pathlib.Path(a.model)
         lref, _ = llama_generate(convert_to_gguf(model, "float32"), texts, a.tokens)
         for t in a.llama_cpp:
-            gguf = convert_to_gguf(model, {"bf16": "bfloat16", "f16": "float16"}[t]) if t in ("bf16", "f16") \
-                else quantize_gguf(model, t)
+            gguf = convert_to_gguf(model, dtypes[t]) if t in dtypes else quantize_gguf(model, t)
             rows.append(score(f"llama.cpp {t} (against its f32)", lref, *llama_generate(gguf, texts, a.tokens)))
     return rows
 

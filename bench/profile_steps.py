@@ -28,6 +28,8 @@ import time
 import torch
 
 from backend import LLM, SamplingParams
+from backend.config import EngineArgs
+from load.stack import parse_options
 
 
 _RUNS = iter(range(1 << 30))
@@ -112,13 +114,10 @@ def main() -> None:
                     help="run the requests once untimed first and let every run share that prefix cache "
                          "(the peers 1-stream phase: prompts already seen, only the last partial block prefills)")
     a = ap.parse_args()
-    opts = {"kv_cache_memory": 1 << 30, "max_num_seqs": 64}
-    if a.threads:
-        opts["num_threads"] = a.threads
-    if a.dtype:
-        opts["dtype"] = a.dtype
-    opts.update(kv.split("=", 1) for kv in a.engine_option)
-    llm = LLM(a.model_dir, **opts)
+    opts = {"kv_cache_memory": str(1 << 30), "max_num_seqs": "64", "num_threads": str(a.threads or ""),
+            "dtype": a.dtype or "", **parse_options(a.engine_option)}
+    args = EngineArgs.from_dict(opts)         # typed and checked as the server reads them ("" = default)
+    llm = LLM(a.model_dir, engine=args.engine, lora=args.lora)
     runner = llm.engine.runner
     fused = runner.fused
     budget = fused.max_tokens if fused is not None else 0
