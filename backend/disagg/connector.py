@@ -225,5 +225,9 @@ class KVConnector(ABC):
 
     def _count(self, **inc) -> None:
         with self._lock:
-            for k, v in inc.items():
-                setattr(self._stats, k, getattr(self._stats, k) + v)
+            self._bump(**inc)
+
+    def _bump(self, **inc: int) -> None:
+        """``_count`` with ``_lock`` already held (a removal and its count seen as one step)."""
+        for k, v in inc.items():
+            setattr(self._stats, k, getattr(self._stats, k) + v)

@@ -180,8 +180,7 @@ class SharedMemoryConnector(KVConnector):
                     self._check_owner(name, owner_tag(owner))
             except TransferError:
                 return
-            if self._unlink(name):
-                self._count(released=1)
+            self._unlink(name, reason="released")
 
     def _check_owner(self, name: str, owner: str) -> None:
         try:
@@ -196,10 +195,8 @@ class SharedMemoryConnector(KVConnector):
     def expire(self, ttl: float) -> int:
         now, n = time.monotonic(), 0
         for name, t in list(self._owned.items()):
-            if now - t >= ttl and self._unlink(name):
+            if now - t >= ttl and self._unlink(name, reason="expired"):
                 n += 1
-        if n:
-            self._count(expired=n)
         return n
 
     def num_staged(self) -> int:
@@ -212,17 +209,19 @@ class SharedMemoryConnector(KVConnector):
     def close(self) -> None:
         self.stop_reaper()
         for name in list(self._owned):
-            if self._unlink(name):
-                self._count(released=1)
+            self._unlink(name, reason="released")
 
-    def _unlink(self, name: str) -> bool:
-        """True if the segment was still there (and is gone now)."""
+    def _unlink(self, name: str, reason: str | None = None) -> bool:
+        """True if the segment was still there (and is gone now). ``reason`` (``released``,
+        ``expired``): the stat counted before the segment leaves ``num_staged``."""
         try:
             shm = shared_memory.SharedMemory(name=name)
         except FileNotFoundError:
             self._owned.pop(name, None)
             return False
         shm.close()
+        if reason:                            # before the file goes: num_staged() prunes by the file
+            self._count(**{reason: 1})
         shm.unlink()                          # also unregisters it from this process's tracker
         self._owned.pop(name, None)
         return True

@@ -90,12 +90,15 @@ class TcpConnector(KVConnector):
             self._staged_bytes += nbytes
         return {"host": self.host, "port": self.port, "id": transfer_id}
 
-    def _pop(self, transfer_id: str, owner: str | None = None) -> torch.Tensor | None:
-        """The staged blocks, removed; None if unknown or (``owner`` given) another owner's."""
+    def _pop(self, transfer_id: str, owner: str | None = None, reason: str | None = None) -> torch.Tensor | None:
+        """The staged blocks, removed; None if unknown or (``owner`` given) another owner's.
+        ``reason`` (``released``, ``expired``): the stat counted in the same step as the removal."""
         with self._lock:
             entry = self._staged.get(transfer_id)
             if entry is None or (owner is not None and not hmac.compare_digest(entry[1], owner)):
                 return None
+            if reason:
+                self._bump(**{reason: 1})
             del self._staged[transfer_id]
             self._staged_at.pop(transfer_id, None)
             self._staged_bytes -= entry[0].numel() * entry[0].element_size()
@@ -160,8 +163,7 @@ class TcpConnector(KVConnector):
             ch.send_header({"ok": False, "error": "malformed request"})
             return
         if op == "release":
-            if self._pop(tid, owner) is not None:
-                self._count(released=1)
+            self._pop(tid, owner, reason="released")
             ch.send_header({"ok": True})
             return
         first, count = req.get("first"), req.get("count")
@@ -226,8 +228,8 @@ class TcpConnector(KVConnector):
         tag = None if owner is None else owner_tag(owner)
         tid = locator.get("id")
         if self._sock is not None and (locator.get("host"), locator.get("port")) == (self.host, self.port):
-            if isinstance(tid, str) and self._pop(tid, tag) is not None:
-                self._count(released=1)
+            if isinstance(tid, str):
+                self._pop(tid, tag, reason="released")
             return
         try:
             sock, deadline = self._connect(locator)
@@ -242,10 +244,7 @@ class TcpConnector(KVConnector):
         now = time.monotonic()
         with self._lock:
             old = [tid for tid, t in self._staged_at.items() if now - t >= ttl]
-        n = sum(self._pop(tid) is not None for tid in old)
-        if n:
-            self._count(expired=n)
-        return n
+        return sum(self._pop(tid, reason="expired") is not None for tid in old)
 
     def num_staged(self) -> int:
         with self._lock:
